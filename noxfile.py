@@ -1,0 +1,91 @@
+"""nox sessions for the DGR monorepo.
+
+Every session runs in the one workspace environment that `uv sync` builds (python=False), so the
+lock file is the single source of the toolchain. Run them as `uv run nox -s NAME` (or `./dev`).
+Story sessions (`story-DGR-017` .. `story-DGR-071`) are generated from prd.json.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+nox.options.sessions = ["lint", "tests"]
+nox.options.default_venv_backend = "none"
+
+# Exit codes of `dgr-prd run-story` (dgr_prd.runner): 5 = skipped for a missing lane.
+STORY_SKIPPED = 5
+PYTEST_NO_TESTS = 5
+
+
+@nox.session(python=False)
+def prd(session: nox.Session) -> None:
+    """Regenerate schemas/, PRD.md, stories/*.md and RALPH-CONTEXT.md's status from prd.json."""
+    session.run("dgr-prd", "project")
+
+
+@nox.session(python=False)
+def validate(session: nox.Session) -> None:
+    """Validate prd.json against its JSON Schema and the backlog rules."""
+    session.run("dgr-prd", "validate")
+
+
+@nox.session(python=False)
+def lint(session: nox.Session) -> None:
+    """ruff (lint and format) and mypy --strict over packages/."""
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy", "--strict", *[str(p) for p in sorted(ROOT.glob("packages/*/src"))])
+
+
+@nox.session(python=False)
+def tests(session: nox.Session) -> None:
+    """The fast test suite plus the browser check of the evidence site."""
+    code = subprocess.call(["pytest", *session.posargs], cwd=ROOT)
+    if code == PYTEST_NO_TESTS:
+        session.error("pytest collected no tests: the selection or configuration is wrong")
+    if code != 0:
+        session.error(f"pytest failed with exit code {code}")
+
+
+@nox.session(python=False)
+def docs(session: nox.Session) -> None:
+    """Generate the evidence pages and build the mkdocs-material site with --strict."""
+    session.run("dgr-prd", "site")
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"))
+
+
+@nox.session(python=False)
+def demo(session: nox.Session) -> None:
+    """Main job until the runtime lands: backlog status, then a real story run (DGR-019)."""
+    session.run("dgr-prd", "status")
+    session.run("dgr-prd", "run-story", "DGR-019")
+
+
+def _latest_result(story_id: str) -> str | None:
+    pointer = ROOT / "evidence" / story_id / "LATEST"
+    if not pointer.is_file():
+        return None
+    run = ROOT / "evidence" / story_id / pointer.read_text(encoding="utf-8").strip()
+    result: str = json.loads((run / "evidence.json").read_text(encoding="utf-8"))["result"]
+    return result
+
+
+def _story_session(story_id: str, title: str) -> None:
+    def run(session: nox.Session) -> None:
+        session.run(
+            "dgr-prd", "run-story", story_id, *session.posargs, success_codes=[0, STORY_SKIPPED]
+        )
+        if _latest_result(story_id) == "skipped":
+            session.skip(f"{story_id}: required evidence needs a lane this machine lacks")
+
+    run.__doc__ = title
+    nox.session(run, name=f"story-{story_id}", python=False)
+
+
+for _story in json.loads((ROOT / "prd.json").read_text(encoding="utf-8"))["stories"]:
+    _story_session(_story["id"], _story["title"])

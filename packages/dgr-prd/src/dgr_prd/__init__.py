@@ -1,0 +1,1 @@
+"""DGR planning automation: prd.json model, validator, projections, story runner, evidence site."""

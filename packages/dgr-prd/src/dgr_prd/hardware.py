@@ -1,0 +1,136 @@
+"""Hardware fingerprint: what a story's evidence ran on (CPU, GPU, OS, compiler, Python)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# Flags that change which kernels llama.cpp builds or can run (see FACTS.md on AMX).
+NOTABLE_CPU_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+    "neon",
+    "asimd",
+    "sve",
+)
+
+
+def _run(cmd: list[str], timeout: float = 10.0) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    model = platform.processor() or platform.machine()
+    flags: list[str] = []
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(encoding="utf-8", errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "Hardware", "cpu model") and value.strip():
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = value.split()
+    return {
+        "model": model,
+        "arch": platform.machine(),
+        "cores": os.cpu_count() or 1,
+        "flags_sha256": hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16],
+        "notable_flags": [f for f in NOTABLE_CPU_FLAGS if f in flags],
+    }
+
+
+def memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    if meminfo.is_file():
+        for line in meminfo.read_text(encoding="utf-8").splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def gpus() -> list[dict[str, str]]:
+    """NVIDIA GPUs through nvidia-smi; an empty list where there is none."""
+    out = _run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+    )
+    found = []
+    for line in (out or "").splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3:
+            found.append(
+                {"vendor": "nvidia", "name": parts[0], "driver": parts[1], "memory": parts[2]}
+            )
+    rocm = _run(["rocm-smi", "--showproductname", "--json"])
+    if rocm:
+        try:
+            for card, info in json.loads(rocm).items():
+                found.append(
+                    {
+                        "vendor": "amd",
+                        "name": str(info.get("Card series", card)),
+                        "driver": "rocm",
+                        "memory": "",
+                    }
+                )
+        except (ValueError, AttributeError):
+            pass
+    return found
+
+
+def os_info(os_release: Path = Path("/etc/os-release")) -> dict[str, str]:
+    info = {"system": platform.system(), "kernel": platform.release()}
+    if os_release.is_file():
+        for line in os_release.read_text(encoding="utf-8").splitlines():
+            key, _, value = line.partition("=")
+            if key == "PRETTY_NAME":
+                info["distribution"] = value.strip().strip('"')
+    return info
+
+
+def compilers() -> dict[str, str | None]:
+    def line(cmd: list[str], last: bool = False) -> str | None:
+        lines = (_run(cmd) or "").splitlines()
+        return (lines[-1] if last else lines[0]) if lines else None
+
+    return {
+        "cc": line(["cc", "--version"]),
+        "cxx": line(["c++", "--version"]),
+        "cmake": line(["cmake", "--version"]),
+        "nvcc": line(["nvcc", "--version"], last=True),
+    }
+
+
+def fingerprint() -> dict[str, Any]:
+    return {
+        "hostname_sha256": hashlib.sha256(platform.node().encode()).hexdigest()[:12],
+        "cpu": cpu_info(),
+        "memory_bytes": memory_bytes(),
+        "gpus": gpus(),
+        "os": os_info(),
+        "compilers": compilers(),
+        "python": sys.version.split()[0],
+    }

@@ -1,0 +1,37 @@
+"""Hardware lanes: which backends this machine can run evidence on.
+
+A lane is available only when the hardware and its runtime are really present; the story runner
+records a command whose lane is missing as skipped, never as passed.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+from typing import Any
+
+from dgr_prd.model import Lane
+
+
+def available_lanes(hardware: dict[str, Any]) -> list[Lane]:
+    lanes = [Lane.CPU]
+    vendors = {g.get("vendor") for g in hardware.get("gpus", [])}
+    if "nvidia" in vendors:
+        lanes.append(Lane.CUDA)
+    if "amd" in vendors:
+        lanes.append(Lane.ROCM)
+    if shutil.which("vulkaninfo") and vendors:
+        lanes.append(Lane.VULKAN)
+    if platform.system() == "Darwin" and platform.machine() == "arm64":
+        lanes.append(Lane.METAL)
+    return lanes
+
+
+def missing_lane_reason(lane: Lane) -> str:
+    return {
+        Lane.CPU: "no CPU lane (cannot happen)",
+        Lane.CUDA: "no NVIDIA GPU visible through nvidia-smi on this machine",
+        Lane.ROCM: "no AMD GPU visible through rocm-smi on this machine",
+        Lane.VULKAN: "no Vulkan device (vulkaninfo and a GPU) on this machine",
+        Lane.METAL: "not an Apple Silicon macOS machine",
+    }[lane]

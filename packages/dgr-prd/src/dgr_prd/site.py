@@ -1,0 +1,230 @@
+"""Evidence-site pages generated from prd.json and evidence/ into docs/generated/.
+
+mkdocs then builds the site with --strict; nothing here is committed (docs/generated is ignored).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from dgr_prd.evidence import EvidenceRecord, Result, all_records, story_dir
+from dgr_prd.handoff import flatten_metrics, hardware_line
+from dgr_prd.model import Prd, Status, Story
+from dgr_prd.paths import RepoPaths
+from dgr_prd.projections import story_body
+
+STATUS_COLOURS = {
+    Status.DONE: "#2e7d32",
+    Status.IN_PROGRESS: "#f9a825",
+    Status.BLOCKED: "#c62828",
+    Status.TODO: "#9e9e9e",
+}
+RESULT_BADGE = {Result.PASS: "PASS", Result.FAIL: "FAIL", Result.SKIPPED: "SKIPPED"}
+LOG_EXCERPT_LINES = 30
+
+
+def _ran_lanes(record: EvidenceRecord) -> str:
+    lanes = sorted({c.lane.value for c in record.commands if c.exit_code is not None})
+    return ", ".join(lanes) or "-"
+
+
+def _status_plot(prd: Prd, out: Path) -> None:
+    milestones = [m.id for m in prd.milestones]
+    fig, ax = plt.subplots(figsize=(8, 3))
+    bottom = [0] * len(milestones)
+    for status in Status:
+        counts = [
+            sum(1 for s in prd.stories if s.milestone == m and s.status is status)
+            for m in milestones
+        ]
+        ax.bar(milestones, counts, bottom=bottom, label=status.value, color=STATUS_COLOURS[status])
+        bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
+    ax.set_ylabel("stories")
+    ax.set_title("Story status by milestone")
+    ax.legend(ncol=4, fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, format="svg")
+    plt.close(fig)
+
+
+def _numeric_metrics(record: EvidenceRecord) -> list[tuple[str, float]]:
+    return [
+        (k, float(v))
+        for k, v in flatten_metrics(record.metrics)
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    ]
+
+
+def _metrics_plot(record: EvidenceRecord, out: Path) -> bool:
+    values = _numeric_metrics(record)
+    if not values:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(values) + 1.2))
+    ax.barh([k for k, _ in values], [v for _, v in values], color="#1565c0")
+    ax.invert_yaxis()
+    ax.set_title(f"Metrics of run {record.run_id}")
+    fig.tight_layout()
+    fig.savefig(out, format="svg")
+    plt.close(fig)
+    return True
+
+
+def _duration_plot(records: list[EvidenceRecord], out: Path) -> bool:
+    """Seconds per evidence command across runs: compare runs of the same story at a glance."""
+    names = sorted({c.name for r in records for c in r.commands if c.exit_code is not None})
+    if not names:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 3))
+    labels = [r.run_id[:15] for r in records]
+    for name in names:
+        ys = [
+            next((c.duration_s for c in r.commands if c.name == name), float("nan"))
+            for r in records
+        ]
+        ax.plot(labels, ys, marker="o", label=name)
+    ax.set_ylabel("seconds")
+    ax.set_title("Evidence command duration per run")
+    ax.tick_params(axis="x", labelrotation=30, labelsize="small")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, format="svg")
+    plt.close(fig)
+    return True
+
+
+def _log_excerpt(run_dir: Path, log_name: str | None) -> list[str]:
+    if not log_name or not (run_dir / log_name).is_file():
+        return []
+    lines = (run_dir / log_name).read_text(encoding="utf-8", errors="replace").splitlines()
+    excerpt = lines[-LOG_EXCERPT_LINES:]
+    return ["```text", *[line.replace("```", "'''") for line in excerpt], "```"]
+
+
+def render_story_page(paths: RepoPaths, prd: Prd, story: Story, plots: Path) -> str:
+    records = all_records(paths.evidence, story.id)
+    lines = [*story_body(story, "#")]
+    if not records:
+        lines += [
+            "## Evidence",
+            "",
+            f"No evidence has been recorded for this story yet. Run `nox -s story-{story.id}`.",
+            "",
+        ]
+        return "\n".join(lines)
+    latest = records[-1]
+    run_dir = story_dir(paths.evidence, story.id) / latest.run_id
+    lines += [
+        "## Latest evidence",
+        "",
+        f"**Result: {RESULT_BADGE[latest.result]}** ({latest.reason})",
+        "",
+        "| field | value |",
+        "|---|---|",
+        f"| run | `{latest.run_id}` |",
+        f"| started / finished (UTC) | {latest.started_utc} / {latest.finished_utc} |",
+        f"| commit | `{latest.git.commit or 'none'}`{' (dirty)' if latest.git.dirty else ''} |",
+        f"| hardware | {hardware_line(latest.hardware)} |",
+        f"| CPU flags of note | {', '.join(latest.hardware['cpu']['notable_flags']) or '-'} |",
+        f"| lanes available | {', '.join(lane.value for lane in latest.lanes_available)} |",
+        f"| llama.cpp pin | {(latest.llama_cpp_pin or {}).get('commit', 'not pinned yet')} |",
+        f"| patch stack sha256 | {latest.patch_stack_sha256 or 'no patches yet'} |",
+        "",
+        "### Commands",
+        "",
+        "| command | lane | result | exit | seconds | reason |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in latest.commands:
+        exit_text = "-" if c.exit_code is None else str(c.exit_code)
+        lines.append(
+            f"| `{c.name}` | {c.lane.value} | {c.result.value} | {exit_text} | "
+            f"{c.duration_s:.1f} | {c.reason or '-'} |"
+        )
+    metric_rows = flatten_metrics(latest.metrics)
+    if metric_rows:
+        lines += ["", "### Metrics", "", "| metric | value |", "|---|---|"]
+        lines += [f"| `{k}` | {v} |" for k, v in metric_rows]
+    if _metrics_plot(latest, plots / f"{story.id}-metrics.svg"):
+        lines += ["", f"![Metrics of the latest run](../plots/{story.id}-metrics.svg)"]
+    if _duration_plot(records, plots / f"{story.id}-durations.svg"):
+        lines += ["", f"![Durations per run](../plots/{story.id}-durations.svg)"]
+    lines += ["", "### Log excerpts", ""]
+    for c in latest.commands:
+        excerpt = _log_excerpt(run_dir, c.log)
+        if excerpt:
+            lines += [f"`{c.name}` (last {LOG_EXCERPT_LINES} lines):", "", *excerpt, ""]
+    lines += ["### Handoff", ""]
+    handoff = run_dir / "handoff.md"
+    if handoff.is_file():
+        body = handoff.read_text(encoding="utf-8").splitlines()[1:]  # drop its H1
+        lines += [
+            line.replace("## ", "#### ", 1) if line.startswith("## ") else line for line in body
+        ]
+    lines += [
+        "",
+        "### Run history",
+        "",
+        "| run | result | lanes run | reason |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| `{r.run_id}` | {r.result.value} | {_ran_lanes(r)} | {r.reason} |"
+        for r in reversed(records)
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_dashboard(paths: RepoPaths, prd: Prd) -> str:
+    counts = Counter(s.status for s in prd.stories)
+    lines = [
+        "# Dashboard",
+        "",
+        f"{len(prd.stories)} stories: "
+        + ", ".join(f"{counts[s]} {s.value}" for s in Status)
+        + ". Status is written only by the story runner after evidence ran.",
+        "",
+        "![Story status by milestone](plots/status.svg)",
+        "",
+        "| story | title | milestone | gate | status | last result | last run (UTC) | lane |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in prd.stories:
+        records = all_records(paths.evidence, s.id)
+        last = records[-1] if records else None
+        result = RESULT_BADGE[last.result] if last else "-"
+        when = last.finished_utc if last else "-"
+        lane = _ran_lanes(last) if last else "-"
+        lines.append(
+            f"| [{s.id}](stories/{s.id}.md) | {s.title} | {s.milestone} | "
+            f"{s.gate.value} | {s.status.value} | {result} | {when} | {lane} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def generate(paths: RepoPaths, prd: Prd) -> list[Path]:
+    out = paths.generated_docs
+    if out.exists():
+        shutil.rmtree(out)
+    plots = out / "plots"
+    (out / "stories").mkdir(parents=True)
+    plots.mkdir()
+    pages: dict[Path, str] = {
+        out / "dashboard.md": render_dashboard(paths, prd),
+        out / "prd.md": paths.prd_md.read_text(encoding="utf-8"),
+        out / "stories" / "index.md": "# Stories\n\n"
+        + "\n".join(f"- [{s.id}: {s.title}]({s.id}.md) ({s.status.value})" for s in prd.stories)
+        + "\n",
+    }
+    for story in prd.stories:
+        pages[out / "stories" / f"{story.id}.md"] = render_story_page(paths, prd, story, plots)
+    _status_plot(prd, plots / "status.svg")
+    for path, text in pages.items():
+        path.write_text(text, encoding="utf-8")
+    return list(pages)
