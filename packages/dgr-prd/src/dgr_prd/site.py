@@ -47,6 +47,7 @@ def _status_plot(prd: Prd, out: Path) -> None:
         ax.bar(milestones, counts, bottom=bottom, label=status.value, color=STATUS_COLOURS[status])
         bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
     ax.set_ylabel("stories")
+    ax.set_ylim(0, max(bottom) * 1.35 + 1)  # headroom for the legend
     ax.set_title("Story status by milestone")
     ax.legend(ncol=4, fontsize="small")
     fig.tight_layout()

@@ -1,0 +1,54 @@
+"""Hardware fingerprint and lane registry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dgr_prd.hardware import cpu_info, fingerprint, memory_bytes, os_info
+from dgr_prd.lanes import available_lanes, missing_lane_reason
+from dgr_prd.model import Lane
+
+
+def test_fingerprint_of_this_machine() -> None:
+    hw = fingerprint()
+    assert hw["cpu"]["cores"] >= 1 and hw["cpu"]["model"]
+    assert isinstance(hw["memory_bytes"], int) and hw["memory_bytes"] > 2**28
+    assert hw["os"]["system"] == "Linux"
+    assert hw["python"].count(".") == 2
+    assert isinstance(hw["gpus"], list)
+    assert set(hw["compilers"]) == {"cc", "cxx", "cmake", "nvcc"}
+
+
+def test_cpu_flags_name_amx(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: Example Xeon\nflags\t\t: fpu sse4_2 avx2 avx512f "
+        "amx_tile amx_int8 amx_bf16\n\nprocessor\t: 1\nmodel name\t: Example Xeon\n"
+    )
+    info = cpu_info(cpuinfo)
+    assert info["model"] == "Example Xeon"
+    assert info["notable_flags"] == [
+        "sse4_2",
+        "avx2",
+        "avx512f",
+        "amx_tile",
+        "amx_int8",
+        "amx_bf16",
+    ]
+
+
+def test_meminfo_and_os_release(tmp_path: Path) -> None:
+    (tmp_path / "meminfo").write_text("MemTotal:       24576000 kB\nMemFree: 1 kB\n")
+    assert memory_bytes(tmp_path / "meminfo") == 24576000 * 1024
+    (tmp_path / "os-release").write_text('PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"\n')
+    assert os_info(tmp_path / "os-release")["distribution"] == "Debian GNU/Linux 12 (bookworm)"
+
+
+def test_lanes_follow_the_hardware() -> None:
+    cpu_only: dict[str, Any] = {"gpus": []}
+    assert available_lanes(cpu_only) == [Lane.CPU]
+    nvidia = {"gpus": [{"vendor": "nvidia", "name": "H200", "driver": "580", "memory": ""}]}
+    assert Lane.CUDA in available_lanes(nvidia)
+    assert Lane.ROCM not in available_lanes(nvidia)
+    assert "nvidia-smi" in missing_lane_reason(Lane.CUDA)
