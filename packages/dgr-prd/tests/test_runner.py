@@ -44,7 +44,8 @@ def status_of(paths: RepoPaths, story_id: str) -> tuple[Status, bool]:
 
 def test_pass_writes_evidence_and_marks_done(repo_copy: RepoPaths, edit_story: Any) -> None:
     set_evidence(edit_story, "DGR-017", cmd("hello", METRICS_CMD))
-    edit_story("DGR-017", lambda s: s.update(status="todo", passes=False))
+    for story_id in ("DGR-017", "DGR-018"):
+        edit_story(story_id, lambda s: s.update(status="todo", passes=False))
     outcome, out = run(repo_copy, "DGR-017")
 
     assert outcome.exit_code == runner.EXIT_PASS
