@@ -39,6 +39,13 @@ def test_unimplemented_story_fails_clearly_through_nox(
             ),
         )
         assert nox(repo_copy, "-s", f"story-{story_id}").returncode == 0
+    planned = {
+        "name": "native-fetch",
+        "run": "nox -s native-fetch",
+        "lane": "cpu",
+        "implemented": False,
+    }
+    edit_story("DGR-027", lambda s: s.update(evidence=[planned]))
     result = nox(repo_copy, "-s", "story-DGR-027")
     assert result.returncode != 0
     output = result.stdout + result.stderr

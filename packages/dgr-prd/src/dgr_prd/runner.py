@@ -240,13 +240,14 @@ def overall(commands: list[CommandRecord]) -> tuple[Result, str]:
 
 
 def next_status(story: Story, result: Result, overridden: bool) -> tuple[Status, bool]:
-    """Status and passes after a run. Only a clean pass makes a story done; a skipped run
-    (missing lane) proves nothing either way and leaves the story as it was."""
+    """Status and passes after a run. Only a clean pass (no overridden dependency) makes a story
+    done; any other decisive run takes passes away. A skipped run (missing lane) proves nothing
+    either way and leaves the story as it was."""
+    if result is Result.SKIPPED:
+        return story.status, story.passes
     if result is Result.PASS and not overridden:
         return Status.DONE, True
-    if result is Result.FAIL:
-        return (Status.IN_PROGRESS if story.status is Status.DONE else story.status), False
-    return story.status, story.passes
+    return (Status.IN_PROGRESS if story.status is Status.DONE else story.status), False
 
 
 def pending_dependencies(prd: Prd, story: Story) -> list[tuple[str, Status]]:
