@@ -59,6 +59,18 @@ def docs(session: nox.Session) -> None:
     session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"))
 
 
+@nox.session(name="native-fetch", python=False)
+def native_fetch(session: nox.Session) -> None:
+    """Fetch the pinned llama.cpp into native/workspace and verify archive and tree hashes."""
+    session.run("dgr-llamacpp", "fetch")
+
+
+@nox.session(name="native-patches", python=False)
+def native_patches(session: nox.Session) -> None:
+    """Patch stack: `-- check` (default), `-- apply`, `-- reverse`, `-- refresh`, `-- list`."""
+    session.run("dgr-llamacpp", "patches", *(session.posargs or ["check"]))
+
+
 @nox.session(python=False)
 def demo(session: nox.Session) -> None:
     """Main job until the runtime lands: backlog status, then a real story run (DGR-019)."""

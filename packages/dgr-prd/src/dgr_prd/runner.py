@@ -9,7 +9,6 @@ story's status, and refresh the projections.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import secrets
@@ -38,6 +37,7 @@ from dgr_prd.handoff import render_handoff
 from dgr_prd.hardware import fingerprint
 from dgr_prd.lanes import available_lanes, missing_lane_reason
 from dgr_prd.model import EvidenceCommand, Lane, Prd, Status, Story, dump_prd
+from dgr_prd.native_pin import llama_pin, patch_stack_hash
 from dgr_prd.paths import RepoPaths
 from dgr_prd.projections import write_projections
 from dgr_prd.validate import validate_file
@@ -94,23 +94,6 @@ def git_state(root: Path) -> GitState:
     return GitState(
         commit=commit.strip() if commit else None, dirty=bool(status and status.strip())
     )
-
-
-def llama_pin(paths: RepoPaths) -> dict[str, Any] | None:
-    if not paths.llama_manifest.is_file():
-        return None
-    data: dict[str, Any] = json.loads(paths.llama_manifest.read_text(encoding="utf-8"))
-    return data
-
-
-def patch_stack_hash(paths: RepoPaths) -> str | None:
-    patches = sorted(paths.patches.glob("*.patch")) if paths.patches.is_dir() else []
-    if not patches:
-        return None
-    digest = hashlib.sha256()
-    for patch in patches:
-        digest.update(patch.name.encode() + b"\0" + patch.read_bytes() + b"\0")
-    return digest.hexdigest()
 
 
 def _trim_log(full_log: Path, out: Path) -> None:
@@ -322,8 +305,8 @@ def run_story(
         git=git,
         lanes_available=lanes,
         hardware=hardware,
-        llama_cpp_pin=llama_pin(paths),
-        patch_stack_sha256=patch_stack_hash(paths),
+        llama_cpp_pin=llama_pin(paths.llama_manifest),
+        patch_stack_sha256=patch_stack_hash(paths.patches),
         dependency_override=[d for d, _ in pending],
         commands=commands,
         metrics={c.name: c.metrics for c in commands if c.metrics},

@@ -1,0 +1,1 @@
+"""The pinned llama.cpp: manifest, fetch, verification and the numbered patch stack."""

