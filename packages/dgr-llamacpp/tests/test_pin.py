@@ -12,13 +12,13 @@ from dgr_llamacpp.fetch import (
     HashMismatch,
     PinError,
     archs_in_tree,
-    cache_dir,
     download_sdist,
     fetch,
     verify_archive,
 )
 from dgr_llamacpp.manifest import LlamaPin, load_pin
 from dgr_llamacpp.tree import tree_hash
+from dgr_prd.downloads import cache_dir
 
 REPO = Path(__file__).resolve().parents[3]
 PIN = load_pin(REPO / "native" / "llama.cpp" / "manifest.json")

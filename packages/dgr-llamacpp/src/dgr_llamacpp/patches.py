@@ -45,6 +45,10 @@ GIT_ID = [
 ]
 
 
+# The sdist's tree carries a submodule `.git` pointer file; it is not source and not hashed.
+NOT_SOURCE = shutil.ignore_patterns(".git", ".dgr-stamp.json")
+
+
 class PatchError(Exception):
     """A patch is malformed, out of order, or does not apply cleanly."""
 
@@ -149,7 +153,7 @@ def check_stack(pristine: Path, stack: list[Patch], expected_tree: str) -> list[
     report = []
     with tempfile.TemporaryDirectory(prefix="dgr-patch-check-") as tmp:
         tree = Path(tmp) / "tree"
-        shutil.copytree(pristine, tree, symlinks=True)
+        shutil.copytree(pristine, tree, symlinks=True, ignore=NOT_SOURCE)
         for patch in stack:
             apply_patch(tree, patch)
             report.append(f"applied  {patch.path.name} ({patch.story}): {patch.what}")
@@ -201,7 +205,7 @@ def apply_stack(pristine: Path, patched: Path, patches_dir: Path) -> tuple[Path,
         return patched, False
     with tempfile.TemporaryDirectory(dir=patched.parent, prefix=".patching-") as tmp:
         staging = Path(tmp) / "tree"
-        shutil.copytree(pristine, staging, symlinks=True)
+        shutil.copytree(pristine, staging, symlinks=True, ignore=NOT_SOURCE)
         _git(staging, "init", "-q")
         _git(staging, "add", "-A")
         _git(staging, "commit", "-q", "--no-verify", "-m", "pristine llama.cpp (pinned)")

@@ -1,0 +1,1 @@
+"""Model artifacts: GGUF identity, hashed manifests, resumable verification, provisioning, subsets."""

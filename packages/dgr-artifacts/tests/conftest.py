@@ -1,0 +1,87 @@
+"""Real inputs: SmolLM2 from the package index and split sets made by llama.cpp's gguf-split."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from dgr_artifacts.manifest import ArtifactManifest, build_manifest
+from dgr_artifacts.models import model_path
+
+# name -> gguf-split arguments; the split sets the range-subset tests run on
+SPLITS = {
+    "tensors-100": ["--split-max-tensors", "100"],
+    "tensors-60": ["--split-max-tensors", "60"],
+    "size-32M": ["--split-max-size", "32M"],
+}
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    return model_path()
+
+
+@pytest.fixture(scope="session")
+def gguf_split() -> Path:
+    from dgr_llamacpp.build import tool
+    from dgr_llamacpp.workspace import open_workspace
+
+    return tool(open_workspace(), "llama-gguf-split")
+
+
+@pytest.fixture(scope="session")
+def split_sets(
+    smollm2: Path, gguf_split: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """First part of each split set, in its own directory."""
+    made = {}
+    for name, args in SPLITS.items():
+        out = tmp_path_factory.mktemp(f"split-{name}")
+        subprocess.run(
+            [str(gguf_split), "--split", *args, str(smollm2), str(out / "smol")],
+            check=True,
+            capture_output=True,
+        )
+        made[name] = sorted(out.glob("smol-*.gguf"))[0]
+    return made
+
+
+@pytest.fixture(scope="session")
+def manifest(smollm2: Path) -> ArtifactManifest:
+    return build_manifest(smollm2)
+
+
+@pytest.fixture
+def model_copy(smollm2: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "model" / smollm2.name
+    target.parent.mkdir()
+    shutil.copyfile(smollm2, target)
+    return target
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[object]:
+    """mount(size, ro) -> a fresh tmpfs directory; unmounted afterwards. Needs root."""
+    mounted: list[Path] = []
+
+    def mount(size: str = "1m", ro: bool = False) -> Path:
+        where = tmp_path / f"tmpfs{len(mounted)}"
+        where.mkdir()
+        opts = f"size={size}" + (",ro" if ro else "")
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", str(where)], check=False)

@@ -1,0 +1,114 @@
+"""Build the patched llama.cpp tree with CMake and Ninja into a persistent, cached build dir.
+
+The build directory lives outside the work tree ($DGR_CACHE/build/...), keyed by commit and lane,
+so that every checkout on a machine shares it; ccache makes a fresh build directory cheap where
+objects were compiled before. Only changed files recompile: the patched tree keeps the mtimes
+of files no patch touched (see patches.apply_stack).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from dgr_prd.downloads import cache_dir
+
+from dgr_llamacpp.fetch import fetch
+from dgr_llamacpp.patches import apply_stack
+from dgr_llamacpp.workspace import NativeWorkspace
+
+# FACTS.md: these CPUs advertise AMX but the VM does not enable it; a -march=native build then
+# dies with SIGILL in ggml_backend_amx_mul_mat. Users' machines can hit the same.
+AMX_OFF = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LANE_OPTIONS = {
+    "cpu": [],
+    "cuda": ["-DGGML_CUDA=ON"],
+    "rocm": ["-DGGML_HIP=ON"],
+    "vulkan": ["-DGGML_VULKAN=ON"],
+    "metal": ["-DGGML_METAL=ON"],
+}
+DEFAULT_TARGETS = ["llama", "llama-gguf-split", "llama-completion", "llama-bench"]
+
+
+class BuildError(Exception):
+    pass
+
+
+def cmake_args(source: Path, build: Path, lane: str) -> list[str]:
+    if lane not in LANE_OPTIONS:
+        raise BuildError(f"unknown lane {lane!r}; known: {', '.join(LANE_OPTIONS)}")
+    flags = AMX_OFF if platform.machine() in ("x86_64", "AMD64") else ""
+    return [
+        "cmake",
+        "-S",
+        str(source),
+        "-B",
+        str(build),
+        "-G",
+        "Ninja",
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=ON",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_SERVER=OFF",
+        "-DLLAMA_CURL=OFF",
+        f"-DGGML_CCACHE={'ON' if shutil.which('ccache') else 'OFF'}",
+        f"-DCMAKE_C_FLAGS={flags}",
+        f"-DCMAKE_CXX_FLAGS={flags}",
+        *LANE_OPTIONS[lane],
+    ]
+
+
+def build_dir(ws: NativeWorkspace, lane: str) -> Path:
+    return Path(os.environ.get("DGR_BUILD_DIR", cache_dir() / "build")) / (
+        f"llama.cpp-{ws.pin.commit[:12]}-{lane}"
+    )
+
+
+def _run(cmd: list[str], log: TextIO) -> None:
+    log.write("+ " + " ".join(cmd) + "\n")
+    log.flush()
+    done = subprocess.run(
+        cmd, stdout=log if log is not sys.stdout else None, stderr=subprocess.STDOUT, check=False
+    )
+    if done.returncode != 0:
+        raise BuildError(f"{cmd[0]} failed with exit code {done.returncode}")
+
+
+def build(
+    ws: NativeWorkspace,
+    lane: str = "cpu",
+    targets: list[str] | None = None,
+    log: TextIO = sys.stdout,
+) -> Path:
+    """Fetch, patch and build; return the directory holding the built binaries and libraries."""
+    pristine = fetch(ws.pin, ws.root, log)
+    source, _ = apply_stack(pristine, ws.patched, ws.patches)
+    build = build_dir(ws, lane)
+    args = cmake_args(source, build, lane)
+    args_hash = hashlib.sha256(json.dumps(args).encode()).hexdigest()
+    stamp = build / ".dgr-configure"
+    if not stamp.is_file() or stamp.read_text().strip() != args_hash:
+        build.mkdir(parents=True, exist_ok=True)
+        _run(args, log)
+        stamp.write_text(args_hash + "\n")
+    jobs = str(os.cpu_count() or 2)
+    _run(
+        ["cmake", "--build", str(build), "-j", jobs, "--target", *(targets or DEFAULT_TARGETS)], log
+    )
+    return build / "bin"
+
+
+def tool(ws: NativeWorkspace, name: str, lane: str = "cpu") -> Path:
+    """Path of a built llama.cpp tool, building it first if needed (a no-op when current)."""
+    path = build(ws, lane, [name], log=sys.stderr) / name
+    if not path.is_file():
+        raise BuildError(f"{name} was not produced in {path.parent}")
+    return path
