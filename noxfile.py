@@ -71,6 +71,12 @@ def native_patches(session: nox.Session) -> None:
     session.run("dgr-llamacpp", "patches", *(session.posargs or ["check"]))
 
 
+@nox.session(name="bench-verify", python=False)
+def bench_verify(session: nox.Session) -> None:
+    """Resumable verification throughput vs sha256sum, measured side by side (JSON to evidence/)."""
+    session.run("python", "-m", "dgr_artifacts.bench")
+
+
 @nox.session(python=False)
 def demo(session: nox.Session) -> None:
     """Main job until the runtime lands: backlog status, then a real story run (DGR-019)."""

@@ -92,5 +92,5 @@ def test_incomplete_and_duplicated_split_sets(split_sets: dict[str, Path], tmp_p
     with pytest.raises(IncompleteSplit, match=parts[1].name):
         open_model(work / parts[0].name)
     shutil.copyfile(work / parts[0].name, work / parts[1].name)
-    with pytest.raises(DuplicateSplitPart, match="split.no 0"):
+    with pytest.raises(DuplicateSplitPart, match=r"split\.no 0"):
         open_model(work / parts[0].name)

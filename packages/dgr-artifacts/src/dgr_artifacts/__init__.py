@@ -1,1 +1,1 @@
-"""Model artifacts: GGUF identity, hashed manifests, resumable verification, provisioning, subsets."""
+"""Model artifacts: GGUF identity, hashed manifests, verification, provisioning, subsets."""
