@@ -61,7 +61,7 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(name="native-fetch", python=False)
 def native_fetch(session: nox.Session) -> None:
-    """Fetch the pinned llama.cpp into native/workspace and verify archive and tree hashes."""
+    """Fetch the pinned llama.cpp into the native workspace; verify archive and tree hashes."""
     session.run("dgr-llamacpp", "fetch")
 
 

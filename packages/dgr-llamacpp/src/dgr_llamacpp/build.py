@@ -97,6 +97,7 @@ def build(
     stamp = build / ".dgr-configure"
     if not stamp.is_file() or stamp.read_text().strip() != args_hash:
         build.mkdir(parents=True, exist_ok=True)
+        (build / "CMakeCache.txt").unlink(missing_ok=True)  # it may name another source dir
         _run(args, log)
         stamp.write_text(args_hash + "\n")
     jobs = str(os.cpu_count() or 2)

@@ -1,4 +1,5 @@
-"""Where the fetched and patched llama.cpp trees live (ignored by git)."""
+"""Where the fetched and patched llama.cpp trees live: $DGR_NATIVE_WORKSPACE, by default
+$DGR_CACHE/native, outside version control."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dgr_prd.downloads import cache_dir
 from dgr_prd.paths import RepoPaths, find_root
 
 from dgr_llamacpp.manifest import LlamaPin, load_pin
@@ -32,5 +34,7 @@ class NativeWorkspace:
 
 def open_workspace(repo: RepoPaths | None = None) -> NativeWorkspace:
     repo = repo or find_root()
-    root = Path(os.environ.get("DGR_NATIVE_WORKSPACE", repo.root / "native" / "workspace"))
+    # Machine-wide, outside any checkout: every clone shares one verified tree and one build
+    # directory per commit and lane, so a fresh clone (CI) rebuilds nothing that did not change.
+    root = Path(os.environ.get("DGR_NATIVE_WORKSPACE", cache_dir() / "native"))
     return NativeWorkspace(repo=repo, pin=load_pin(repo.llama_manifest), root=root)
