@@ -1,0 +1,125 @@
+// DGR ShardEngine: one contiguous layer range of one GGUF model, over patched libllama.
+//
+// A shard owns main layers [layer_first, layer_last). The head stage (layer_first == 0) takes
+// token ids; every other stage takes the residual boundary leaving the previous stage. A stage
+// before the tail emits the residual leaving its last layer; the tail emits logits.
+//
+// Sessions map to llama sequence ids. A session's KV cache is local to the shard and belongs to
+// one epoch: every forward states its cache expectation (epoch, n_past), and a mismatch is a
+// typed error (Status::cache_mismatch), never a wrong answer. A new epoch starts at n_past == 0
+// and drops the session's old cache (a route change is a cache miss, never KV migration).
+//
+// All failures are dgr::ShardError with a Status and a message naming what was wrong; the engine
+// validates inputs before llama.cpp sees them, so bad input never aborts the process.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace dgr {
+
+enum class Status : int32_t {
+    ok = 0,
+    invalid_argument = 1,   // malformed request: shape, dtype, missing tokens or boundary
+    invalid_range = 2,      // layer range outside [0, n_layer) or empty
+    unsupported_arch = 3,   // range ownership not implemented for this architecture
+    load_failed = 4,        // the GGUF could not be loaded (missing, truncated, corrupt)
+    unknown_session = 5,    // no such session on this shard
+    cache_mismatch = 6,     // stale epoch or n_past that disagrees with the shard's cache
+    capacity = 7,           // no free session slot or context space
+    decode_failed = 8,      // llama_decode refused the batch
+};
+
+const char * status_name(Status status);
+
+class ShardError : public std::runtime_error {
+public:
+    ShardError(Status status, const std::string & message);
+    Status status() const { return status_; }
+
+private:
+    Status status_;
+};
+
+enum class DType : int32_t { f32 = 0, f16 = 1, bf16 = 2 };
+
+const char * dtype_name(DType dtype);
+size_t dtype_size(DType dtype);
+
+struct EngineOptions {
+    std::string model_path;
+    int32_t layer_first = 0;
+    int32_t layer_last = -1;    // < 0: through the last main layer
+    int32_t n_threads = 2;
+    int32_t n_ctx = 2048;       // per session
+    int32_t n_batch = 512;      // most tokens one forward may carry
+    int32_t max_sessions = 4;
+};
+
+struct BoundarySpec {
+    int32_t hc = 1;             // residual streams per token (DeepSeek V4 mHC: 4)
+    int32_t n_embd = 0;
+    bool needs_token_ids = false;
+};
+
+struct Description {
+    std::string arch;
+    std::string model_desc;
+    int32_t n_layer = 0;
+    int32_t layer_first = 0;
+    int32_t layer_last = 0;
+    int32_t n_vocab = 0;
+    int32_t n_ctx = 0;
+    int32_t n_batch = 0;
+    int32_t max_sessions = 0;
+    bool is_head = false;
+    bool is_tail = false;
+    BoundarySpec boundary;
+    uint64_t weight_bytes = 0;  // tensor bytes this shard loaded
+};
+
+struct ForwardRequest {
+    uint64_t session = 0;
+    uint64_t epoch = 0;
+    int32_t n_past = 0;                 // cache expectation: tokens already in this session
+    int32_t n_tokens = 0;
+    const int32_t * tokens = nullptr;   // head stage: n_tokens ids
+    const void * boundary = nullptr;    // other stages: n_tokens * hc * n_embd values
+    DType boundary_dtype = DType::f32;
+    bool logits_all = false;            // tail: logits for every token (else the last only)
+};
+
+struct ForwardResult {
+    // non-tail: the boundary, n_tokens * hc * n_embd values of `dtype`
+    // tail: logits, n_rows * n_vocab float32 values
+    std::vector<uint8_t> data;
+    DType dtype = DType::f32;
+    int32_t n_rows = 0;
+    int32_t row_width = 0;
+    bool is_logits = false;
+    int32_t n_past = 0;                 // tokens in the session after this forward
+};
+
+class ShardEngine {
+public:
+    static std::unique_ptr<ShardEngine> open(const EngineOptions & options);
+    virtual ~ShardEngine() = default;
+
+    virtual Description describe() const = 0;
+    virtual ForwardResult forward(const ForwardRequest & request, DType out_dtype = DType::f32) = 0;
+    virtual void release(uint64_t session) = 0;
+    virtual std::vector<uint64_t> sessions() const = 0;
+
+    // the model's tokenizer (every stage loads the vocabulary)
+    virtual std::vector<int32_t> tokenize(const std::string & text, bool add_special) const = 0;
+    virtual std::string detokenize(const std::vector<int32_t> & tokens) const = 0;
+    virtual bool is_eog(int32_t token) const = 0;
+};
+
+// Architectures whose graphs carry the range hooks (patch 0002); the full range works for all.
+bool range_supported(const std::string & arch);
+
+}  // namespace dgr

@@ -1,0 +1,174 @@
+// _dgr_engine: the ShardEngine for Python. Inputs are read from numpy buffers in place (no copy;
+// wrong dtype or layout is a TypeError, never a silent conversion); outputs hand the engine's
+// buffer to numpy without a copy; the GIL is released while llama.cpp computes.
+#include "dgr/shard_engine.h"
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+namespace py = pybind11;
+
+namespace {
+
+py::object g_shard_error;
+
+dgr::DType parse_dtype(const std::string & name) {
+    if (name == "f32") return dgr::DType::f32;
+    if (name == "f16") return dgr::DType::f16;
+    if (name == "bf16") return dgr::DType::bf16;
+    throw py::value_error("boundary dtype must be f32, f16 or bf16, not '" + name + "'");
+}
+
+// numpy dtype a boundary of `dtype` travels as (bf16 has no numpy type: raw uint16)
+py::dtype numpy_dtype(dgr::DType dtype) {
+    switch (dtype) {
+        case dgr::DType::f32: return py::dtype::of<float>();
+        case dgr::DType::f16: return py::dtype("float16");
+        case dgr::DType::bf16: return py::dtype::of<uint16_t>();
+    }
+    return py::dtype::of<float>();
+}
+
+py::array to_numpy(dgr::ForwardResult && result) {
+    auto * holder = new std::vector<uint8_t>(std::move(result.data));
+    py::capsule owner(holder, [](void * p) { delete static_cast<std::vector<uint8_t> *>(p); });
+    const py::dtype dt = result.is_logits ? py::dtype::of<float>() : numpy_dtype(result.dtype);
+    return py::array(dt, {(py::ssize_t) result.n_rows, (py::ssize_t) result.row_width}, holder->data(), owner);
+}
+
+class PyEngine {
+public:
+    explicit PyEngine(const dgr::EngineOptions & options) {
+        py::gil_scoped_release release;
+        engine_ = dgr::ShardEngine::open(options);
+    }
+
+    py::dict describe() const {
+        const dgr::Description d = engine_->describe();
+        py::dict out;
+        out["arch"] = d.arch;
+        out["model_desc"] = d.model_desc;
+        out["n_layer"] = d.n_layer;
+        out["layer_first"] = d.layer_first;
+        out["layer_last"] = d.layer_last;
+        out["n_vocab"] = d.n_vocab;
+        out["n_ctx"] = d.n_ctx;
+        out["n_batch"] = d.n_batch;
+        out["max_sessions"] = d.max_sessions;
+        out["is_head"] = d.is_head;
+        out["is_tail"] = d.is_tail;
+        out["hc"] = d.boundary.hc;
+        out["n_embd"] = d.boundary.n_embd;
+        out["needs_token_ids"] = d.boundary.needs_token_ids;
+        out["weight_bytes"] = d.weight_bytes;
+        return out;
+    }
+
+    py::array forward(uint64_t session, uint64_t epoch, int32_t n_past, py::object tokens, py::object boundary,
+                      bool logits_all, const std::string & out_dtype) {
+        dgr::ForwardRequest req;
+        req.session = session;
+        req.epoch = epoch;
+        req.n_past = n_past;
+        req.logits_all = logits_all;
+        const dgr::Description d = engine_->describe();
+        py::buffer_info tok_info, bnd_info;
+        if (!tokens.is_none()) {
+            auto arr = py::cast<py::array>(tokens);
+            if (!arr.dtype().is(py::dtype::of<int32_t>()) || arr.ndim() != 1 ||
+                !(arr.flags() & py::array::c_style)) {
+                throw py::type_error("tokens must be a C-contiguous 1-D int32 array");
+            }
+            tok_info = arr.request();
+            req.tokens = static_cast<const int32_t *>(tok_info.ptr);
+            req.n_tokens = (int32_t) tok_info.shape[0];
+        }
+        if (!boundary.is_none()) {
+            auto arr = py::cast<py::array>(boundary);
+            dgr::DType dtype;
+            if (arr.dtype().is(py::dtype::of<float>())) {
+                dtype = dgr::DType::f32;
+            } else if (arr.dtype().is(py::dtype("float16"))) {
+                dtype = dgr::DType::f16;
+            } else if (arr.dtype().is(py::dtype::of<uint16_t>())) {
+                dtype = dgr::DType::bf16;
+            } else {
+                throw py::type_error("boundary dtype must be float32, float16 or uint16 (bf16 bits), not " +
+                                     std::string(py::str(arr.dtype())));
+            }
+            if (arr.ndim() != 2 || arr.shape(1) != (py::ssize_t) d.boundary.hc * d.boundary.n_embd ||
+                !(arr.flags() & py::array::c_style)) {
+                throw py::value_error("boundary must be a C-contiguous [n_tokens, " +
+                                      std::to_string(d.boundary.hc * d.boundary.n_embd) + "] array");
+            }
+            if (req.tokens != nullptr && arr.shape(0) != req.n_tokens) {
+                throw py::value_error("tokens and boundary disagree on n_tokens");
+            }
+            bnd_info = arr.request();
+            req.boundary = bnd_info.ptr;
+            req.boundary_dtype = dtype;
+            req.n_tokens = (int32_t) arr.shape(0);
+        }
+        const dgr::DType out = parse_dtype(out_dtype);
+        dgr::ForwardResult result;
+        {
+            py::gil_scoped_release release;
+            result = engine_->forward(req, out);
+        }
+        return to_numpy(std::move(result));
+    }
+
+    void release_session(uint64_t session) { engine_->release(session); }
+    std::vector<int32_t> tokenize(const std::string & text, bool add_special) const {
+        return engine_->tokenize(text, add_special);
+    }
+    py::bytes detokenize(const std::vector<int32_t> & tokens) const { return py::bytes(engine_->detokenize(tokens)); }
+    bool is_eog(int32_t token) const { return engine_->is_eog(token); }
+    std::vector<uint64_t> sessions() const { return engine_->sessions(); }
+
+private:
+    std::unique_ptr<dgr::ShardEngine> engine_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_dgr_engine, m) {
+    m.doc() = "DGR ShardEngine over patched llama.cpp";
+    g_shard_error = py::exception<dgr::ShardError>(m, "ShardError", PyExc_RuntimeError);
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const dgr::ShardError & e) {
+            py::object err = g_shard_error(e.what());
+            err.attr("status") = dgr::status_name(e.status());
+            PyErr_SetObject(g_shard_error.ptr(), err.ptr());
+        }
+    });
+
+    py::class_<PyEngine>(m, "Engine")
+        .def(py::init([](const std::string & model_path, int32_t layer_first, int32_t layer_last, int32_t n_threads,
+                         int32_t n_ctx, int32_t n_batch, int32_t max_sessions) {
+                 dgr::EngineOptions o;
+                 o.model_path = model_path;
+                 o.layer_first = layer_first;
+                 o.layer_last = layer_last;
+                 o.n_threads = n_threads;
+                 o.n_ctx = n_ctx;
+                 o.n_batch = n_batch;
+                 o.max_sessions = max_sessions;
+                 return std::make_unique<PyEngine>(o);
+             }),
+             py::arg("model_path"), py::arg("layer_first") = 0, py::arg("layer_last") = -1, py::arg("n_threads") = 2,
+             py::arg("n_ctx") = 2048, py::arg("n_batch") = 512, py::arg("max_sessions") = 4)
+        .def("describe", &PyEngine::describe)
+        .def("forward", &PyEngine::forward, py::arg("session"), py::arg("epoch"), py::arg("n_past"),
+             py::arg("tokens") = py::none(), py::arg("boundary") = py::none(), py::arg("logits_all") = false,
+             py::arg("out_dtype") = "f32")
+        .def("release", &PyEngine::release_session, py::arg("session"))
+        .def("sessions", &PyEngine::sessions)
+        .def("tokenize", &PyEngine::tokenize, py::arg("text"), py::arg("add_special") = true)
+        .def("detokenize", &PyEngine::detokenize, py::arg("tokens"))
+        .def("is_eog", &PyEngine::is_eog, py::arg("token"));
+    m.def("range_supported", &dgr::range_supported);
+}

@@ -1,0 +1,429 @@
+// ShardEngine over patched libllama (see include/dgr/shard_engine.h).
+#include "dgr/shard_engine.h"
+
+#include "ggml.h"
+#include "gguf.h"
+#include "llama.h"
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <set>
+
+namespace dgr {
+
+namespace {
+
+const std::set<std::string> kRangeArchs = {"llama", "gemma3"};
+
+// llama.cpp reports load failures through its log; keep the last error for the typed message
+std::mutex g_log_mutex;
+std::string g_last_error;
+
+void log_callback(ggml_log_level level, const char * text, void *) {
+    if (level == GGML_LOG_LEVEL_ERROR) {
+        std::lock_guard<std::mutex> lock(g_log_mutex);
+        std::string line = text;
+        while (!line.empty() && line.back() == '\n') {
+            line.pop_back();
+        }
+        g_last_error += (g_last_error.empty() ? "" : "; ") + line;
+    }
+}
+
+void init_backend_once() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        llama_log_set(log_callback, nullptr);
+        llama_backend_init();
+    });
+}
+
+std::string take_last_error() {
+    std::lock_guard<std::mutex> lock(g_log_mutex);
+    std::string err = g_last_error;
+    g_last_error.clear();
+    return err;
+}
+
+std::string take_or(const std::string & fallback) {
+    std::string err = take_last_error();
+    return err.empty() ? fallback : err;
+}
+
+// cheap checks before llama.cpp parses the file: existence, magic, version
+void check_gguf_file(const std::string & path) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+        throw ShardError(Status::load_failed, "cannot open model file " + path);
+    }
+    char head[8] = {0};
+    in.read(head, sizeof(head));
+    if (in.gcount() < 8) {
+        throw ShardError(Status::load_failed, path + ": truncated (shorter than a GGUF header)");
+    }
+    if (std::memcmp(head, "GGUF", 4) != 0) {
+        throw ShardError(Status::load_failed, path + ": not a GGUF file (bad magic)");
+    }
+}
+
+// arch and main-layer count from the GGUF metadata (no tensor data is read)
+std::pair<std::string, int32_t> probe_layers(const std::string & path) {
+    gguf_init_params params = {/*.no_alloc =*/ true, /*.ctx =*/ nullptr};
+    gguf_context * gguf = gguf_init_from_file(path.c_str(), params);
+    if (gguf == nullptr) {
+        throw ShardError(Status::load_failed, path + ": " + take_or("not a readable GGUF (truncated or corrupt)"));
+    }
+    const int64_t arch_key = gguf_find_key(gguf, "general.architecture");
+    if (arch_key < 0 || gguf_get_kv_type(gguf, arch_key) != GGUF_TYPE_STRING) {
+        gguf_free(gguf);
+        throw ShardError(Status::load_failed, path + ": no general.architecture");
+    }
+    const std::string arch = gguf_get_val_str(gguf, arch_key);
+    auto get_u32 = [&](const std::string & key) -> int64_t {
+        const int64_t id = gguf_find_key(gguf, key.c_str());
+        return (id < 0 || gguf_get_kv_type(gguf, id) != GGUF_TYPE_UINT32) ? int64_t(-1) : int64_t(gguf_get_val_u32(gguf, id));
+    };
+    const int64_t blocks = get_u32(arch + ".block_count");
+    const int64_t nextn = std::max<int64_t>(0, get_u32(arch + ".nextn_predict_layers"));
+    gguf_free(gguf);
+    if (blocks <= 0) {
+        throw ShardError(Status::load_failed, path + ": no " + arch + ".block_count");
+    }
+    return {arch, (int32_t) (blocks - nextn)};
+}
+
+struct Session {
+    llama_seq_id seq = -1;
+    uint64_t epoch = 0;
+    int32_t n_past = 0;
+};
+
+class LlamaShardEngine final : public ShardEngine {
+public:
+    explicit LlamaShardEngine(const EngineOptions & options) : options_(options) {
+        init_backend_once();
+        if (options.n_threads < 1 || options.n_ctx < 1 || options.n_batch < 1 || options.max_sessions < 1) {
+            throw ShardError(Status::invalid_argument,
+                             "n_threads, n_ctx, n_batch and max_sessions must be positive");
+        }
+        check_gguf_file(options.model_path);
+
+        // read the metadata alone first: validate the range and the arch before any weights load
+        const auto [arch, n_layer] = probe_layers(options.model_path);
+
+        const int32_t first = options.layer_first;
+        const int32_t last = options.layer_last < 0 ? n_layer : options.layer_last;
+        if (first < 0 || first >= last || last > n_layer) {
+            throw ShardError(Status::invalid_range,
+                             "layer range [" + std::to_string(first) + ", " + std::to_string(last) +
+                                 ") is not inside [0, " + std::to_string(n_layer) + ") with first < last");
+        }
+        if ((first != 0 || last != n_layer) && !range_supported(arch)) {
+            throw ShardError(Status::unsupported_arch,
+                             "range ownership is not implemented for arch '" + arch + "' (supported: llama, gemma3)");
+        }
+
+        llama_model_params mparams = llama_model_default_params();
+        mparams.n_gpu_layers = 0;
+        mparams.dgr_layer_first = first;
+        mparams.dgr_layer_last = last;
+        model_ = llama_model_load_from_file(options.model_path.c_str(), mparams);
+        if (model_ == nullptr) {
+            throw ShardError(Status::load_failed, options.model_path + ": " + take_or("model load failed"));
+        }
+
+        llama_context_params cparams = llama_context_default_params();
+        cparams.n_ctx = (uint32_t) (options.n_ctx * options.max_sessions);
+        cparams.n_batch = (uint32_t) options.n_batch;
+        cparams.n_ubatch = (uint32_t) options.n_batch;
+        cparams.n_seq_max = (uint32_t) options.max_sessions;
+        cparams.n_threads = options.n_threads;
+        cparams.n_threads_batch = options.n_threads;
+        cparams.no_perf = true;
+        desc_.is_tail = last == n_layer;
+        // a stage before the tail reads its boundary through the embeddings output
+        cparams.embeddings = !desc_.is_tail;
+        cparams.pooling_type = LLAMA_POOLING_TYPE_NONE;
+        ctx_ = llama_init_from_model(model_, cparams);
+        if (ctx_ == nullptr) {
+            llama_model_free(model_);
+            model_ = nullptr;
+            throw ShardError(Status::capacity, take_or("cannot create a context of the requested size"));
+        }
+
+        desc_.arch = arch;
+        char buf[256];
+        llama_model_desc(model_, buf, sizeof(buf));
+        desc_.model_desc = buf;
+        desc_.n_layer = n_layer;
+        desc_.layer_first = first;
+        desc_.layer_last = last;
+        desc_.n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model_));
+        desc_.n_ctx = options.n_ctx;
+        desc_.n_batch = options.n_batch;
+        desc_.max_sessions = options.max_sessions;
+        desc_.is_head = first == 0;
+        desc_.boundary.hc = 1;
+        desc_.boundary.n_embd = llama_model_n_embd(model_);
+        desc_.boundary.needs_token_ids = desc_.is_head;
+        desc_.weight_bytes = llama_model_size(model_);
+        for (int32_t s = options.max_sessions - 1; s >= 0; --s) {
+            free_seqs_.push_back(s);
+        }
+    }
+
+    ~LlamaShardEngine() override {
+        if (ctx_) llama_free(ctx_);
+        if (model_) llama_model_free(model_);
+    }
+
+    Description describe() const override { return desc_; }
+
+    std::vector<uint64_t> sessions() const override {
+        std::lock_guard<std::mutex> lock(mutex_);
+        std::vector<uint64_t> ids;
+        for (const auto & kv : sessions_) ids.push_back(kv.first);
+        return ids;
+    }
+
+    std::vector<int32_t> tokenize(const std::string & text, bool add_special) const override {
+        const llama_vocab * vocab = llama_model_get_vocab(model_);
+        std::vector<llama_token> out(text.size() + 16);
+        int32_t n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
+                                   add_special, true);
+        if (n < 0) {
+            out.resize((size_t) -n);
+            n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
+                               add_special, true);
+        }
+        if (n < 0) {
+            throw ShardError(Status::invalid_argument, "text could not be tokenized");
+        }
+        out.resize((size_t) n);
+        return out;
+    }
+
+    std::string detokenize(const std::vector<int32_t> & tokens) const override {
+        const llama_vocab * vocab = llama_model_get_vocab(model_);
+        for (int32_t t : tokens) {
+            if (t < 0 || t >= desc_.n_vocab) {
+                throw ShardError(Status::invalid_argument, "token id " + std::to_string(t) + " outside the vocabulary");
+            }
+        }
+        std::string out(tokens.size() * 8 + 16, '\0');
+        int32_t n = llama_detokenize(vocab, tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(),
+                                     false, false);
+        if (n < 0) {
+            out.resize((size_t) -n);
+            n = llama_detokenize(vocab, tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(),
+                                 false, false);
+        }
+        out.resize((size_t) std::max(n, 0));
+        return out;
+    }
+
+    bool is_eog(int32_t token) const override {
+        return llama_vocab_is_eog(llama_model_get_vocab(model_), token);
+    }
+
+    void release(uint64_t session) override {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = sessions_.find(session);
+        if (it == sessions_.end()) {
+            throw ShardError(Status::unknown_session, "no session " + std::to_string(session) + " on this shard");
+        }
+        llama_memory_seq_rm(llama_get_memory(ctx_), it->second.seq, -1, -1);
+        free_seqs_.push_back(it->second.seq);
+        sessions_.erase(it);
+    }
+
+    ForwardResult forward(const ForwardRequest & req, DType out_dtype) override {
+        const int32_t n_embd = desc_.boundary.n_embd;
+        if (req.n_tokens < 1 || req.n_tokens > options_.n_batch) {
+            throw ShardError(Status::invalid_argument, "n_tokens " + std::to_string(req.n_tokens) +
+                                                           " outside [1, " + std::to_string(options_.n_batch) + "]");
+        }
+        if (desc_.is_head && req.tokens == nullptr) {
+            throw ShardError(Status::invalid_argument, "the head stage needs token ids");
+        }
+        if (!desc_.is_head && req.boundary == nullptr) {
+            throw ShardError(Status::invalid_argument, "stage [" + std::to_string(desc_.layer_first) + ", " +
+                                                           std::to_string(desc_.layer_last) + ") needs a boundary input");
+        }
+        if (desc_.is_head && req.boundary != nullptr) {
+            throw ShardError(Status::invalid_argument, "the head stage takes token ids, not a boundary");
+        }
+        if (req.tokens != nullptr) {
+            for (int32_t i = 0; i < req.n_tokens; ++i) {
+                if (req.tokens[i] < 0 || req.tokens[i] >= desc_.n_vocab) {
+                    throw ShardError(Status::invalid_argument, "token id " + std::to_string(req.tokens[i]) +
+                                                                   " outside the vocabulary of " + std::to_string(desc_.n_vocab));
+                }
+            }
+        }
+
+        std::lock_guard<std::mutex> lock(mutex_);
+        Session & s = admit(req);
+        if (s.n_past + req.n_tokens > options_.n_ctx) {
+            throw ShardError(Status::capacity, "session " + std::to_string(req.session) + " would exceed n_ctx " +
+                                                   std::to_string(options_.n_ctx));
+        }
+
+        llama_batch batch = llama_batch_init(req.n_tokens, desc_.is_head ? 0 : n_embd, 1);
+        batch.n_tokens = req.n_tokens;
+        if (desc_.is_head) {
+            std::memcpy(batch.token, req.tokens, sizeof(int32_t) * req.n_tokens);
+        } else {
+            to_f32(req.boundary, req.boundary_dtype, batch.embd, (int64_t) req.n_tokens * n_embd);
+        }
+        for (int32_t i = 0; i < req.n_tokens; ++i) {
+            batch.pos[i] = s.n_past + i;
+            batch.n_seq_id[i] = 1;
+            batch.seq_id[i][0] = s.seq;
+            batch.logits[i] = (!desc_.is_tail || req.logits_all || i == req.n_tokens - 1) ? 1 : 0;
+        }
+        const int32_t rc = llama_decode(ctx_, batch);
+        llama_batch_free(batch);
+        if (rc != 0) {
+            // keep the cache equal to what the coordinator believes: drop anything half-written
+            llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, s.n_past, -1);
+            throw ShardError(rc == 1 ? Status::capacity : Status::decode_failed,
+                             "llama_decode returned " + std::to_string(rc) + ": " + take_or("no detail"));
+        }
+        s.n_past += req.n_tokens;
+
+        ForwardResult out;
+        out.n_past = s.n_past;
+        if (desc_.is_tail) {
+            const int32_t n_rows = req.logits_all ? req.n_tokens : 1;
+            out.is_logits = true;
+            out.n_rows = n_rows;
+            out.row_width = desc_.n_vocab;
+            out.dtype = DType::f32;
+            out.data.resize((size_t) n_rows * desc_.n_vocab * sizeof(float));
+            for (int32_t r = 0; r < n_rows; ++r) {
+                const int32_t i = req.logits_all ? r : req.n_tokens - 1;
+                const float * row = llama_get_logits_ith(ctx_, i);
+                std::memcpy(out.data.data() + (size_t) r * desc_.n_vocab * sizeof(float), row,
+                            sizeof(float) * desc_.n_vocab);
+            }
+        } else {
+            const float * embd = llama_get_embeddings(ctx_);
+            out.n_rows = req.n_tokens;
+            out.row_width = n_embd;
+            out.dtype = out_dtype;
+            const int64_t n = (int64_t) req.n_tokens * n_embd;
+            out.data.resize((size_t) n * dtype_size(out_dtype));
+            from_f32(embd, out_dtype, out.data.data(), n);
+        }
+        return out;
+    }
+
+private:
+    Session & admit(const ForwardRequest & req) {
+        auto it = sessions_.find(req.session);
+        if (it == sessions_.end()) {
+            if (req.n_past != 0) {
+                throw ShardError(Status::unknown_session,
+                                 "session " + std::to_string(req.session) + " expects n_past " + std::to_string(req.n_past) +
+                                     " but this shard holds no cache for it (re-prefill from n_past 0)");
+            }
+            if (free_seqs_.empty()) {
+                throw ShardError(Status::capacity, "all " + std::to_string(options_.max_sessions) + " session slots are in use");
+            }
+            Session s;
+            s.seq = free_seqs_.back();
+            free_seqs_.pop_back();
+            s.epoch = req.epoch;
+            llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, -1, -1);
+            return sessions_.emplace(req.session, s).first->second;
+        }
+        Session & s = it->second;
+        if (req.epoch < s.epoch) {
+            throw ShardError(Status::cache_mismatch, "stale epoch " + std::to_string(req.epoch) + " for session " +
+                                                         std::to_string(req.session) + " (shard is at epoch " +
+                                                         std::to_string(s.epoch) + ")");
+        }
+        if (req.epoch > s.epoch) {
+            if (req.n_past != 0) {
+                throw ShardError(Status::cache_mismatch, "epoch " + std::to_string(req.epoch) +
+                                                             " must start at n_past 0 (a route change re-prefills)");
+            }
+            llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, -1, -1);
+            s.epoch = req.epoch;
+            s.n_past = 0;
+        }
+        if (req.n_past != s.n_past) {
+            throw ShardError(Status::cache_mismatch, "session " + std::to_string(req.session) + " expects n_past " +
+                                                         std::to_string(req.n_past) + " but the shard holds " +
+                                                         std::to_string(s.n_past));
+        }
+        return s;
+    }
+
+    static void to_f32(const void * src, DType dtype, float * dst, int64_t n) {
+        switch (dtype) {
+            case DType::f32: std::memcpy(dst, src, sizeof(float) * n); break;
+            case DType::f16: ggml_fp16_to_fp32_row((const ggml_fp16_t *) src, dst, n); break;
+            case DType::bf16: ggml_bf16_to_fp32_row((const ggml_bf16_t *) src, dst, n); break;
+        }
+    }
+
+    static void from_f32(const float * src, DType dtype, uint8_t * dst, int64_t n) {
+        switch (dtype) {
+            case DType::f32: std::memcpy(dst, src, sizeof(float) * n); break;
+            case DType::f16: ggml_fp32_to_fp16_row(src, (ggml_fp16_t *) dst, n); break;
+            case DType::bf16: ggml_fp32_to_bf16_row_ref(src, (ggml_bf16_t *) dst, n); break;
+        }
+    }
+
+    EngineOptions options_;
+    Description desc_;
+    llama_model * model_ = nullptr;
+    llama_context * ctx_ = nullptr;
+    mutable std::mutex mutex_;
+    std::map<uint64_t, Session> sessions_;
+    std::vector<llama_seq_id> free_seqs_;
+};
+
+}  // namespace
+
+ShardError::ShardError(Status status, const std::string & message)
+    : std::runtime_error(std::string(status_name(status)) + ": " + message), status_(status) {}
+
+const char * status_name(Status status) {
+    switch (status) {
+        case Status::ok: return "ok";
+        case Status::invalid_argument: return "invalid_argument";
+        case Status::invalid_range: return "invalid_range";
+        case Status::unsupported_arch: return "unsupported_arch";
+        case Status::load_failed: return "load_failed";
+        case Status::unknown_session: return "unknown_session";
+        case Status::cache_mismatch: return "cache_mismatch";
+        case Status::capacity: return "capacity";
+        case Status::decode_failed: return "decode_failed";
+    }
+    return "unknown";
+}
+
+const char * dtype_name(DType dtype) {
+    switch (dtype) {
+        case DType::f32: return "f32";
+        case DType::f16: return "f16";
+        case DType::bf16: return "bf16";
+    }
+    return "unknown";
+}
+
+size_t dtype_size(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
+
+bool range_supported(const std::string & arch) { return kRangeArchs.count(arch) > 0; }
+
+std::unique_ptr<ShardEngine> ShardEngine::open(const EngineOptions & options) {
+    return std::make_unique<LlamaShardEngine>(options);
+}
+
+}  // namespace dgr

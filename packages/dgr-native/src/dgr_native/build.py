@@ -1,0 +1,64 @@
+"""Build ShardEngine and its Python module (native/engine) against the patched llama.cpp build.
+
+llama.cpp is built once per commit and lane by dgr_llamacpp.build (cached, outside the tree); the
+engine project is small and links to it, so a Python-only change rebuilds nothing native and an
+engine change recompiles only the engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pybind11
+from dgr_llamacpp.build import BuildError, build
+from dgr_llamacpp.workspace import open_workspace
+from dgr_prd.downloads import cache_dir
+
+
+def engine_source(repo_root: Path) -> Path:
+    return repo_root / "native" / "engine"
+
+
+def build_engine(lane: str = "cpu") -> Path:
+    """Return the path of the built `_dgr_engine` module, building what is stale."""
+    ws = open_workspace()
+    llama_bin = build(ws, lane, ["llama"], log=sys.stderr)
+    source = engine_source(ws.repo.root)
+    key = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:10]
+    out = cache_dir() / "build" / f"engine-{key}-{lane}"
+    args = [
+        "cmake",
+        "-S",
+        str(source),
+        "-B",
+        str(out),
+        "-G",
+        "Ninja",
+        "-DCMAKE_BUILD_TYPE=Release",
+        f"-DDGR_LLAMA_SOURCE={ws.patched}",
+        f"-DDGR_LLAMA_BIN={llama_bin}",
+        f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+        f"-DPython_EXECUTABLE={sys.executable}",
+    ]
+    stamp = out / ".dgr-configure"
+    digest = hashlib.sha256(json.dumps(args).encode()).hexdigest()
+    if not stamp.is_file() or stamp.read_text().strip() != digest:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "CMakeCache.txt").unlink(missing_ok=True)
+        _run(args)
+        stamp.write_text(digest + "\n")
+    _run(["cmake", "--build", str(out), "--target", "_dgr_engine"])
+    found = sorted(out.glob("_dgr_engine*.so"))
+    if not found:
+        raise BuildError(f"_dgr_engine was not produced in {out}")
+    return found[0]
+
+
+def _run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0:
+        raise BuildError(f"{cmd[0]} {' '.join(cmd[1:3])} failed with exit code {done.returncode}")
