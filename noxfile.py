@@ -71,6 +71,31 @@ def native_patches(session: nox.Session) -> None:
     session.run("dgr-llamacpp", "patches", *(session.posargs or ["check"]))
 
 
+@nox.session(name="native-build", python=False)
+def native_build(session: nox.Session) -> None:
+    """Build patched llama.cpp (cached, outside the tree) and the ShardEngine Python module."""
+    session.run("dgr-llamacpp", "build")
+    session.run("dgr-native", "build")
+
+
+@nox.session(name="native-wheel", python=False)
+def native_wheel(session: nox.Session) -> None:
+    """Build the dgr-engine wheel (scikit-build-core), install it fresh, compare with dev build."""
+    session.run("python", "-m", "dgr_native.wheel")
+
+
+@nox.session(python=False)
+def parity(session: nox.Session) -> None:
+    """Chained in-process engines vs the whole model on the real models (2, 3, 5 stages)."""
+    session.run("python", "-m", "dgr_native.parity", *session.posargs)
+
+
+@nox.session(name="bench-memory", python=False)
+def bench_memory(session: nox.Session) -> None:
+    """Per-stage RSS of a 3-way split next to owned weights, KV and compute buffers."""
+    session.run("python", "-m", "dgr_native.memory", *session.posargs)
+
+
 @nox.session(name="bench-verify", python=False)
 def bench_verify(session: nox.Session) -> None:
     """Resumable verification throughput vs sha256sum, measured side by side (JSON to evidence/)."""

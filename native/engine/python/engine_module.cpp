@@ -2,6 +2,7 @@
 // wrong dtype or layout is a TypeError, never a silent conversion); outputs hand the engine's
 // buffer to numpy without a copy; the GIL is released while llama.cpp computes.
 #include "dgr/shard_engine.h"
+#include "llama.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -62,6 +63,9 @@ public:
         out["n_embd"] = d.boundary.n_embd;
         out["needs_token_ids"] = d.boundary.needs_token_ids;
         out["weight_bytes"] = d.weight_bytes;
+        out["model_buffer_bytes"] = d.model_buffer_bytes;
+        out["kv_bytes"] = d.kv_bytes;
+        out["compute_bytes"] = d.compute_bytes;
         return out;
     }
 
@@ -171,4 +175,21 @@ PYBIND11_MODULE(_dgr_engine, m) {
         .def("detokenize", &PyEngine::detokenize, py::arg("tokens"))
         .def("is_eog", &PyEngine::is_eog, py::arg("token"));
     m.def("range_supported", &dgr::range_supported);
+    // the part of a stage that does not depend on its range (metadata and vocabulary): memory
+    // benchmarks measure it as the fixed runtime overhead of serving this model
+    m.def("hold_vocabulary", [](const std::string & path) {
+        llama_model_params params = llama_model_default_params();
+        params.vocab_only = true;
+        llama_model * model = nullptr;
+        {
+            py::gil_scoped_release release;
+            model = llama_model_load_from_file(path.c_str(), params);
+        }
+        if (model == nullptr) {
+            throw py::value_error("cannot load the vocabulary of " + path);
+        }
+        return py::capsule(model, "dgr.vocabulary", [](PyObject * cap) {
+            llama_model_free(static_cast<llama_model *>(PyCapsule_GetPointer(cap, "dgr.vocabulary")));
+        });
+    });
 }

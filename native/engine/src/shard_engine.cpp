@@ -4,6 +4,7 @@
 #include "ggml.h"
 #include "gguf.h"
 #include "llama.h"
+#include "llama-ext.h"  // llama_get_memory_breakdown (exported, from the pinned tree's src/)
 
 #include <algorithm>
 #include <cstring>
@@ -130,6 +131,9 @@ public:
         mparams.n_gpu_layers = 0;
         mparams.dgr_layer_first = first;
         mparams.dgr_layer_last = last;
+        // read owned tensors into their own buffers: a mapped (and prefetched) file would page in
+        // every layer's weights, owned or not
+        mparams.load_mode = LLAMA_LOAD_MODE_NONE;
         model_ = llama_model_load_from_file(options.model_path.c_str(), mparams);
         if (model_ == nullptr) {
             throw ShardError(Status::load_failed, options.model_path + ": " + take_or("model load failed"));
@@ -170,6 +174,11 @@ public:
         desc_.boundary.n_embd = llama_model_n_embd(model_);
         desc_.boundary.needs_token_ids = desc_.is_head;
         desc_.weight_bytes = llama_model_size(model_);
+        for (const auto & entry : llama_get_memory_breakdown(ctx_)) {
+            desc_.model_buffer_bytes += entry.second.model;
+            desc_.kv_bytes += entry.second.context;
+            desc_.compute_bytes += entry.second.compute;
+        }
         for (int32_t s = options.max_sessions - 1; s >= 0; --s) {
             free_seqs_.push_back(s);
         }
@@ -246,15 +255,15 @@ public:
             throw ShardError(Status::invalid_argument, "n_tokens " + std::to_string(req.n_tokens) +
                                                            " outside [1, " + std::to_string(options_.n_batch) + "]");
         }
+        if (desc_.is_head && req.boundary != nullptr) {
+            throw ShardError(Status::invalid_argument, "the head stage takes token ids, not a boundary");
+        }
         if (desc_.is_head && req.tokens == nullptr) {
             throw ShardError(Status::invalid_argument, "the head stage needs token ids");
         }
         if (!desc_.is_head && req.boundary == nullptr) {
             throw ShardError(Status::invalid_argument, "stage [" + std::to_string(desc_.layer_first) + ", " +
                                                            std::to_string(desc_.layer_last) + ") needs a boundary input");
-        }
-        if (desc_.is_head && req.boundary != nullptr) {
-            throw ShardError(Status::invalid_argument, "the head stage takes token ids, not a boundary");
         }
         if (req.tokens != nullptr) {
             for (int32_t i = 0; i < req.n_tokens; ++i) {

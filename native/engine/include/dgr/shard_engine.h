@@ -79,6 +79,9 @@ struct Description {
     bool is_tail = false;
     BoundarySpec boundary;
     uint64_t weight_bytes = 0;  // tensor bytes this shard loaded
+    uint64_t model_buffer_bytes = 0;    // buffers holding those weights (llama.cpp's breakdown)
+    uint64_t kv_bytes = 0;              // KV cache and other per-layer state of the context
+    uint64_t compute_bytes = 0;         // compute buffers reserved for the largest batch
 };
 
 struct ForwardRequest {

@@ -1,0 +1,29 @@
+"""The real engine over the real SmolLM2 from the package index."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def engine_module() -> ModuleType:
+    from dgr_native import load
+
+    return load()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    from dgr_artifacts.models import model_path
+
+    return model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_manifest(smollm2: Path) -> object:
+    from dgr_artifacts.manifest import build_manifest
+
+    return build_manifest(smollm2)
