@@ -104,9 +104,8 @@ def bench_verify(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def demo(session: nox.Session) -> None:
-    """Main job until the runtime lands: backlog status, then a real story run (DGR-019)."""
-    session.run("dgr-prd", "status")
-    session.run("dgr-prd", "run-story", "DGR-019")
+    """Main job: the default model split into shards, streaming generation and a parity check."""
+    session.run("dgr", "demo", *session.posargs)
 
 
 def _latest_result(story_id: str) -> str | None:
