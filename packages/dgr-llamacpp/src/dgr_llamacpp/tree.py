@@ -9,7 +9,7 @@ from pathlib import Path
 IGNORED_NAMES = {".dgr-stamp.json", "__pycache__", ".git"}
 
 
-def _file_digest(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -34,7 +34,7 @@ def tree_hash(root: Path) -> str:
                 entries.append(f"{rel}\0link\0-\0{os.readlink(path)}")
             else:
                 executable = "x" if os.access(path, os.X_OK) else "-"
-                entries.append(f"{rel}\0file\0{executable}\0{_file_digest(path)}")
+                entries.append(f"{rel}\0file\0{executable}\0{file_sha256(path)}")
     digest = hashlib.sha256()
     for entry in sorted(entries):
         digest.update(entry.encode("utf-8") + b"\n")
