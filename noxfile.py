@@ -59,6 +59,13 @@ def docs(session: nox.Session) -> None:
     session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"))
 
 
+@nox.session(python=False)
+def proto(session: nox.Session) -> None:
+    """dgr.v1 wire: `-- check` (default: generated code current, lint, compatibility), `-- gen`,
+    `-- lock` (record the published schema after adding fields)."""
+    session.run("dgr-proto", *(session.posargs or ["check"]))
+
+
 @nox.session(name="native-fetch", python=False)
 def native_fetch(session: nox.Session) -> None:
     """Fetch the pinned llama.cpp into the native workspace; verify archive and tree hashes."""

@@ -70,28 +70,32 @@ def _run_verify(manifest_path: Path, model_dir: Path, state: Path) -> subprocess
     )
 
 
+def _progress(state: Path) -> int:
+    files = list(state.glob("*.verify.json"))
+    try:
+        return int(json.loads(files[0].read_text())["next"]) if files else 0
+    except (OSError, ValueError):
+        return 0
+
+
 def _killed_until_done(
-    manifest_path: Path, model_dir: Path, state: Path, rng: random.Random
+    manifest_path: Path, model_dir: Path, state: Path, chunks: int, rng: random.Random
 ) -> tuple[int, str, list[int]]:
-    """SIGKILL verification at random moments until one run completes; returns the exit code,
-    its output, and the chunk each killed run had reached."""
-    start = time.monotonic()
-    probe = _run_verify(manifest_path, model_dir, state.with_name("probe-state"))
-    probe.communicate(timeout=300)
-    full_run = time.monotonic() - start
+    """SIGKILL verification at random points of its progress until one run completes; returns
+    the exit code, its output, and the chunk each killed run had reached."""
+    targets = sorted(int(chunks * rng.uniform(lo, lo + 0.15)) for lo in (0.1, 0.3, 0.5, 0.7))
     reached: list[int] = []
-    while True:
+    for target in targets:
         proc = _run_verify(manifest_path, model_dir, state)
-        if len(reached) < 4:
-            time.sleep(rng.uniform(0.3, 0.7) * full_run)
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                files = list(state.glob("*.verify.json"))
-                reached.append(json.loads(files[0].read_text())["next"] if files else 0)
-                continue
-        out, _ = proc.communicate(timeout=300)
-        return proc.returncode, out, reached
+        while proc.poll() is None and _progress(state) < target:
+            time.sleep(0.002)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            reached.append(_progress(state))
+    proc = _run_verify(manifest_path, model_dir, state)
+    out, _ = proc.communicate(timeout=300)
+    return proc.returncode, out, reached
 
 
 def test_sigkill_at_random_moments_resumes_to_the_same_verdict(
@@ -108,10 +112,10 @@ def test_sigkill_at_random_moments_resumes_to_the_same_verdict(
     state = tmp_path / "state"
     chunks = len(manifest.files[0].chunk_sha256)
     code, out, reached = _killed_until_done(
-        manifest_path, model_copy.parent, state, random.Random(20261130)
+        manifest_path, model_copy.parent, state, chunks, random.Random(20261130)
     )
     mid_run = [n for n in reached if 0 < n < chunks]
-    assert len(mid_run) >= 2, f"kills should land mid-run: reached {reached} of {chunks}"
+    assert len(mid_run) >= 3, f"kills should land mid-run: reached {reached} of {chunks}"
     assert mid_run == sorted(mid_run), "each restart resumes, never starts over"
     progress = json.loads((state / f"{model_copy.name}.verify.json").read_text())
     assert progress["next"] == len(manifest.files[0].chunk_sha256)

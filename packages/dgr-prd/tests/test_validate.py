@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import pytest
@@ -60,6 +61,7 @@ def test_beta_dependency_in_same_milestone_is_allowed(
 
 
 def test_passes_without_evidence(repo_copy: RepoPaths, edit_story: Any) -> None:
+    shutil.rmtree(repo_copy.evidence / "DGR-030", ignore_errors=True)
     edit_story("DGR-030", lambda s: s.update(status="done", passes=True))
     assert PrdIssue("DGR-030", "passes", "passes is true but no evidence record exists") in (
         _issues(repo_copy)
@@ -67,7 +69,7 @@ def test_passes_without_evidence(repo_copy: RepoPaths, edit_story: Any) -> None:
 
 
 def test_status_and_passes_must_agree(repo_copy: RepoPaths, edit_story: Any) -> None:
-    edit_story("DGR-031", lambda s: s.update(status="done"))
+    edit_story("DGR-031", lambda s: s.update(status="done", passes=False))
     issue = next(i for i in _issues(repo_copy) if i.story == "DGR-031")
     assert issue.field == "passes" and "disagrees" in issue.message
 
