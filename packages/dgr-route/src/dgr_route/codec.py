@@ -73,7 +73,7 @@ def encode(values: np.ndarray, dtype: str, hc: int = 1) -> pb.Boundary:
         data = np.ascontiguousarray(values, dtype=np.float32).astype(wire)
     payload = data.tobytes()
     return pb.Boundary(
-        dtype=BY_NAME[dtype],
+        dtype=f"DTYPE_{dtype.upper()}",
         shape=[n_tokens, hc, width // hc],
         payload=payload,
         crc32=zlib.crc32(payload),
