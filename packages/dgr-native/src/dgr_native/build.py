@@ -43,6 +43,7 @@ def build_engine(lane: str = "cpu") -> Path:
         f"-DDGR_LLAMA_BIN={llama_bin}",
         f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
         f"-DPython_EXECUTABLE={sys.executable}",
+        "-DDGR_BUILD_WORKER=ON",
     ]
     stamp = out / ".dgr-configure"
     digest = hashlib.sha256(json.dumps(args).encode()).hexdigest()
@@ -51,11 +52,16 @@ def build_engine(lane: str = "cpu") -> Path:
         (out / "CMakeCache.txt").unlink(missing_ok=True)
         _run(args)
         stamp.write_text(digest + "\n")
-    _run(["cmake", "--build", str(out), "--target", "_dgr_engine"])
+    _run(["cmake", "--build", str(out), "--target", "_dgr_engine", "dgr-shard-worker"])
     found = sorted(out.glob("_dgr_engine*.so"))
     if not found:
         raise BuildError(f"_dgr_engine was not produced in {out}")
     return found[0]
+
+
+def worker_binary(lane: str = "cpu") -> Path:
+    """The dgr-shard-worker executable, built beside the engine module."""
+    return build_engine(lane).parent / "dgr-shard-worker"
 
 
 def _run(cmd: list[str]) -> None:

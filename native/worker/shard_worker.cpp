@@ -1,0 +1,407 @@
+// dgr-shard-worker: one ShardEngine served over gRPC (dgr.v1.ShardService, grpc.health.v1).
+//
+// The server starts listening only after the model range is loaded, so "reachable" means ready.
+// Every request is validated before the engine sees it; a bad message ends that stream with
+// INVALID_ARGUMENT and a reason, a cache mismatch with FAILED_PRECONDITION, and the worker keeps
+// serving its other sessions. SIGTERM/SIGINT drain: new streams are refused, in-flight requests
+// finish (bounded by --drain-seconds), then the process exits 0.
+#include "dgr/shard_engine.h"
+#include "dgr/v1/shard.grpc.pb.h"
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <zlib.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using grpc::ServerContext;
+using grpc::Status;
+using grpc::StatusCode;
+
+struct Args {
+    std::string model, listen = "127.0.0.1:0", lane = "cpu", fingerprint, llama_commit, patch_hash;
+    int32_t first = 0, last = -1, threads = 2, n_ctx = 2048, n_batch = 512, max_sessions = 4;
+    uint64_t max_message_bytes = 64ull << 20;
+    int drain_seconds = 10;
+};
+
+std::atomic<bool> g_stop{false};
+
+constexpr uint64_t kFnvOffset = 0xCBF29CE484222325ull;
+constexpr uint64_t kFnvPrime = 0x100000001B3ull;
+
+uint64_t fnv1a(uint64_t h, const int32_t * tokens, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+        uint32_t v = (uint32_t) tokens[i];
+        for (int b = 0; b < 4; ++b) {
+            h ^= (v >> (8 * b)) & 0xFF;
+            h *= kFnvPrime;
+        }
+    }
+    return h;
+}
+
+Status from_shard_error(const dgr::ShardError & e) {
+    switch (e.status()) {
+        case dgr::Status::invalid_argument:
+        case dgr::Status::invalid_range: return Status(StatusCode::INVALID_ARGUMENT, e.what());
+        case dgr::Status::unknown_session:
+        case dgr::Status::cache_mismatch: return Status(StatusCode::FAILED_PRECONDITION, e.what());
+        case dgr::Status::capacity: return Status(StatusCode::RESOURCE_EXHAUSTED, e.what());
+        default: return Status(StatusCode::INTERNAL, e.what());
+    }
+}
+
+int32_t sample(const float * logits, int32_t n_vocab, const dgr::v1::Sampling & s, std::mt19937_64 & rng,
+               float * logprob) {
+    int32_t best = 0;
+    for (int32_t i = 1; i < n_vocab; ++i) {
+        if (logits[i] > logits[best]) best = i;
+    }
+    std::vector<std::pair<float, int32_t>> cand;
+    if (s.temperature() <= 0.0f) {
+        cand.push_back({logits[best], best});
+    } else {
+        cand.reserve(n_vocab);
+        for (int32_t i = 0; i < n_vocab; ++i) cand.push_back({logits[i] / s.temperature(), i});
+        std::sort(cand.begin(), cand.end(), [](auto & a, auto & b) { return a.first > b.first; });
+        if (s.top_k() > 0 && (int32_t) s.top_k() < (int32_t) cand.size()) cand.resize(s.top_k());
+    }
+    const float max = cand.front().first;
+    std::vector<double> p(cand.size());
+    double sum = 0;
+    for (size_t i = 0; i < cand.size(); ++i) sum += (p[i] = std::exp((double) cand[i].first - max));
+    if (s.top_p() > 0.0f && s.top_p() < 1.0f) {
+        double acc = 0;
+        size_t keep = 0;
+        while (keep < p.size() && acc < s.top_p() * sum) acc += p[keep++];
+        p.resize(std::max<size_t>(keep, 1));
+        cand.resize(p.size());
+        sum = 0;
+        for (double v : p) sum += v;
+    }
+    size_t pick = 0;
+    if (cand.size() > 1) {
+        std::discrete_distribution<size_t> dist(p.begin(), p.end());
+        pick = dist(rng);
+    }
+    // log-probability of the pick under the full (temperature 1) distribution
+    double z = 0;
+    for (int32_t i = 0; i < n_vocab; ++i) z += std::exp((double) logits[i] - logits[best]);
+    *logprob = (float) ((double) logits[cand[pick].second] - logits[best] - std::log(z));
+    return cand[pick].second;
+}
+
+class ShardService final : public dgr::v1::ShardService::Service {
+public:
+    ShardService(std::unique_ptr<dgr::ShardEngine> engine, const Args & args)
+        : engine_(std::move(engine)), args_(args), desc_(engine_->describe()) {}
+
+    Status Describe(ServerContext *, const dgr::v1::DescribeRequest *, dgr::v1::DescribeReply * reply) override {
+        auto * c = reply->mutable_compatibility();
+        c->set_model_fingerprint(args_.fingerprint);
+        c->set_llama_cpp_commit(args_.llama_commit);
+        c->set_patch_stack_sha256(args_.patch_hash);
+        c->set_schema_version(1);
+        c->set_lane(args_.lane);
+        c->set_arch(desc_.arch);
+        c->set_n_layer((uint32_t) desc_.n_layer);
+        reply->set_layer_first((uint32_t) desc_.layer_first);
+        reply->set_layer_last((uint32_t) desc_.layer_last);
+        auto * b = reply->mutable_boundary();
+        b->set_hc((uint32_t) desc_.boundary.hc);
+        b->set_n_embd((uint32_t) desc_.boundary.n_embd);
+        b->set_needs_token_ids(desc_.boundary.needs_token_ids);
+        for (auto d : {dgr::v1::DTYPE_F32, dgr::v1::DTYPE_F16, dgr::v1::DTYPE_BF16}) b->add_dtypes(d);
+        reply->set_n_ctx((uint32_t) desc_.n_ctx);
+        reply->set_max_sessions((uint32_t) desc_.max_sessions);
+        reply->set_max_tokens_per_message((uint32_t) desc_.n_batch);
+        reply->set_max_message_bytes(args_.max_message_bytes);
+        return Status::OK;
+    }
+
+    Status Health(ServerContext *, const dgr::v1::HealthRequest *, dgr::v1::HealthReply * reply) override {
+        const size_t sessions = engine_->sessions().size();
+        reply->set_ready(true);
+        reply->set_draining(g_stop.load());
+        reply->set_sessions((uint32_t) sessions);
+        reply->set_capacity((uint32_t) (desc_.max_sessions - (int32_t) sessions));
+        reply->set_queue_depth((uint32_t) in_flight_.load());
+        return Status::OK;
+    }
+
+    Status OpenSession(ServerContext *, const dgr::v1::OpenSessionRequest *, dgr::v1::OpenSessionReply * reply) override {
+        reply->set_n_ctx((uint32_t) desc_.n_ctx);
+        return Status::OK;
+    }
+
+    Status CloseSession(ServerContext *, const dgr::v1::CloseSessionRequest * req, dgr::v1::CloseSessionReply *) override {
+        try {
+            engine_->release(req->session_id());
+        } catch (const dgr::ShardError & e) {
+            return from_shard_error(e);
+        }
+        std::lock_guard<std::mutex> lock(mutex_);
+        hashes_.erase(req->session_id());
+        return Status::OK;
+    }
+
+    Status Forward(ServerContext * ctx,
+                   grpc::ServerReaderWriter<dgr::v1::ForwardReply, dgr::v1::ForwardRequest> * stream) override {
+        if (g_stop.load()) {
+            return Status(StatusCode::UNAVAILABLE, "draining: not accepting new streams");
+        }
+        dgr::v1::ForwardRequest req;
+        std::set<uint64_t> seen;
+        // a stream that ends abnormally (deadline, cancellation, a dead client) frees the
+        // sessions it carried: nobody will continue them, and their KV slots are scarce
+        auto abandon = [&](Status st) {
+            for (uint64_t sid : seen) {
+                try {
+                    engine_->release(sid);
+                } catch (const dgr::ShardError &) {
+                }
+                std::lock_guard<std::mutex> lock(mutex_);
+                hashes_.erase(sid);
+            }
+            return st;
+        };
+        while (stream->Read(&req)) {
+            if (ctx->IsCancelled()) {
+                return abandon(Status(StatusCode::CANCELLED, "cancelled by the client"));
+            }
+            seen.insert(req.session_id());
+            in_flight_++;
+            dgr::v1::ForwardReply reply;
+            Status st = handle(req, &reply);
+            in_flight_--;
+            if (!st.ok()) {
+                return st;  // a refused request leaves the session's cache as it was
+            }
+            if (!stream->Write(reply)) {
+                return abandon(Status(StatusCode::CANCELLED, "client went away"));
+            }
+        }
+        if (ctx->IsCancelled()) {
+            return abandon(Status(StatusCode::CANCELLED, "cancelled or past its deadline"));
+        }
+        return Status::OK;
+    }
+
+private:
+    Status handle(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply) {
+        const auto & exp = req.expect();
+        const int n_tok_ids = req.token_ids_size();
+        dgr::ForwardRequest fr;
+        fr.session = req.session_id();
+        fr.epoch = exp.epoch();
+        fr.n_past = (int32_t) exp.n_past();
+        std::vector<int32_t> tokens(req.token_ids().begin(), req.token_ids().end());
+        if (desc_.is_head) {
+            if (n_tok_ids < 1) return Status(StatusCode::INVALID_ARGUMENT, "token_ids: the head stage needs token ids");
+            if (req.has_boundary()) return Status(StatusCode::INVALID_ARGUMENT, "boundary: the head stage takes token ids");
+            fr.tokens = tokens.data();
+            fr.n_tokens = n_tok_ids;
+        } else {
+            if (!req.has_boundary()) return Status(StatusCode::INVALID_ARGUMENT, "boundary: missing for a stage after the head");
+            const auto & b = req.boundary();
+            if (b.shape_size() != 3) return Status(StatusCode::INVALID_ARGUMENT, "boundary.shape: expected [n_tokens, hc, n_embd]");
+            const uint64_t n = b.shape(0), hc = b.shape(1), n_embd = b.shape(2);
+            if (hc != (uint64_t) desc_.boundary.hc || n_embd != (uint64_t) desc_.boundary.n_embd) {
+                return Status(StatusCode::INVALID_ARGUMENT,
+                              "boundary.shape: [" + std::to_string(n) + ", " + std::to_string(hc) + ", " +
+                                  std::to_string(n_embd) + "] does not match this stage's [n_tokens, " +
+                                  std::to_string(desc_.boundary.hc) + ", " + std::to_string(desc_.boundary.n_embd) + "]");
+            }
+            if (n < 1 || n > (uint64_t) desc_.n_batch) {
+                return Status(StatusCode::INVALID_ARGUMENT, "boundary.shape: n_tokens " + std::to_string(n) +
+                                                                 " outside [1, " + std::to_string(desc_.n_batch) + "]");
+            }
+            dgr::DType dt;
+            switch (b.dtype()) {
+                case dgr::v1::DTYPE_F32: dt = dgr::DType::f32; break;
+                case dgr::v1::DTYPE_F16: dt = dgr::DType::f16; break;
+                case dgr::v1::DTYPE_BF16: dt = dgr::DType::bf16; break;
+                default: return Status(StatusCode::INVALID_ARGUMENT, "boundary.dtype: unknown dtype " + std::to_string(b.dtype()));
+            }
+            const uint64_t want = n * hc * n_embd * dgr::dtype_size(dt);
+            if (b.payload().size() != want) {
+                return Status(StatusCode::INVALID_ARGUMENT, "boundary.payload: " + std::to_string(b.payload().size()) +
+                                                                 " bytes, shape and dtype say " + std::to_string(want));
+            }
+            if ((uint32_t) crc32(0L, (const Bytef *) b.payload().data(), (uInt) b.payload().size()) != b.crc32()) {
+                return Status(StatusCode::INVALID_ARGUMENT, "boundary.crc32: checksum mismatch (corrupted in transit)");
+            }
+            if (n_tok_ids != 0 && (uint64_t) n_tok_ids != n) {
+                return Status(StatusCode::INVALID_ARGUMENT, "token_ids: sideband length differs from the boundary's n_tokens");
+            }
+            fr.boundary = b.payload().data();
+            fr.boundary_dtype = dt;
+            fr.n_tokens = (int32_t) n;
+        }
+        // cache expectation: the prefix hash of the session's tokens, where they travel
+        uint64_t before = kFnvOffset;
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            auto it = hashes_.find(fr.session);
+            if (fr.n_past > 0 && it != hashes_.end()) before = it->second;
+        }
+        if (n_tok_ids > 0 && exp.prefix_hash() != 0 && fr.n_past > 0 && exp.prefix_hash() != before) {
+            return Status(StatusCode::FAILED_PRECONDITION,
+                          "cache_mismatch: prefix hash differs from this shard's (its KV holds another token history)");
+        }
+        const dgr::DType out = req.has_boundary() ? fr.boundary_dtype : dgr::DType::f32;
+        dgr::ForwardResult res;
+        try {
+            res = engine_->forward(fr, desc_.is_tail ? dgr::DType::f32 : out_dtype(req, out));
+        } catch (const dgr::ShardError & e) {
+            return from_shard_error(e);
+        }
+        const uint64_t after = n_tok_ids > 0 ? fnv1a(before, tokens.data(), tokens.size()) : 0;
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            if (n_tok_ids > 0) hashes_[fr.session] = after;
+        }
+        reply->set_session_id(fr.session);
+        reply->set_n_past((uint32_t) res.n_past);
+        reply->set_prefix_hash(after);
+        if (res.is_logits) {
+            std::mt19937_64 rng(req.sampling().seed() ^ ((uint64_t) res.n_past * 0x9E3779B97F4A7C15ull));
+            float logprob = 0;
+            const float * logits = (const float *) res.data.data();
+            auto * tok = reply->mutable_token();
+            tok->set_token_id(sample(logits, res.row_width, req.sampling(), rng, &logprob));
+            tok->set_logprob(logprob);
+            if (req.sampling().want_logits()) {
+                auto * lb = tok->mutable_logits();
+                lb->set_dtype(dgr::v1::DTYPE_F32);
+                lb->add_shape(1);
+                lb->add_shape(1);
+                lb->add_shape((uint32_t) res.row_width);
+                lb->set_payload(res.data.data(), res.data.size());
+                lb->set_crc32((uint32_t) crc32(0L, (const Bytef *) res.data.data(), (uInt) res.data.size()));
+            }
+        } else {
+            auto * b = reply->mutable_boundary();
+            b->set_dtype(res.dtype == dgr::DType::f32 ? dgr::v1::DTYPE_F32
+                         : res.dtype == dgr::DType::f16 ? dgr::v1::DTYPE_F16 : dgr::v1::DTYPE_BF16);
+            b->add_shape((uint32_t) res.n_rows);
+            b->add_shape((uint32_t) desc_.boundary.hc);
+            b->add_shape((uint32_t) desc_.boundary.n_embd);
+            b->set_payload(res.data.data(), res.data.size());
+            b->set_crc32((uint32_t) crc32(0L, (const Bytef *) res.data.data(), (uInt) res.data.size()));
+        }
+        return Status::OK;
+    }
+
+    static dgr::DType out_dtype(const dgr::v1::ForwardRequest & req, dgr::DType fallback) {
+        // the head has no input boundary: it answers in f32 unless the coordinator later asks
+        // otherwise; later stages answer in the dtype they were sent
+        return req.has_boundary() ? fallback : dgr::DType::f32;
+    }
+
+    std::unique_ptr<dgr::ShardEngine> engine_;
+    Args args_;
+    dgr::Description desc_;
+    std::mutex mutex_;
+    std::map<uint64_t, uint64_t> hashes_;
+    std::atomic<int> in_flight_{0};
+};
+
+bool parse_args(int argc, char ** argv, Args & a) {
+    for (int i = 1; i < argc; ++i) {
+        std::string k = argv[i];
+        auto val = [&]() -> std::string {
+            if (i + 1 >= argc) throw std::invalid_argument(k + " needs a value");
+            return argv[++i];
+        };
+        if (k == "--model") a.model = val();
+        else if (k == "--layers") {
+            std::string v = val();
+            auto colon = v.find(':');
+            if (colon == std::string::npos) throw std::invalid_argument("--layers takes FIRST:LAST");
+            a.first = std::stoi(v.substr(0, colon));
+            a.last = std::stoi(v.substr(colon + 1));
+        } else if (k == "--listen") a.listen = val();
+        else if (k == "--threads") a.threads = std::stoi(val());
+        else if (k == "--n-ctx") a.n_ctx = std::stoi(val());
+        else if (k == "--n-batch") a.n_batch = std::stoi(val());
+        else if (k == "--max-sessions") a.max_sessions = std::stoi(val());
+        else if (k == "--max-message-bytes") a.max_message_bytes = std::stoull(val());
+        else if (k == "--lane") a.lane = val();
+        else if (k == "--model-fingerprint") a.fingerprint = val();
+        else if (k == "--llama-commit") a.llama_commit = val();
+        else if (k == "--patch-stack") a.patch_hash = val();
+        else if (k == "--drain-seconds") a.drain_seconds = std::stoi(val());
+        else throw std::invalid_argument("unknown option " + k);
+    }
+    if (a.model.empty()) throw std::invalid_argument("--model is required");
+    return true;
+}
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    Args args;
+    try {
+        parse_args(argc, argv, args);
+    } catch (const std::exception & e) {
+        std::cerr << "dgr-shard-worker: " << e.what() << "\n"
+                  << "usage: dgr-shard-worker --model PATH --layers FIRST:LAST [--listen HOST:PORT] [--threads N]\n"
+                     "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--lane cpu]\n"
+                     "  [--model-fingerprint HEX] [--llama-commit SHA] [--patch-stack SHA] [--drain-seconds N]\n";
+        return 2;
+    }
+    std::unique_ptr<dgr::ShardEngine> engine;
+    try {
+        dgr::EngineOptions o;
+        o.model_path = args.model;
+        o.layer_first = args.first;
+        o.layer_last = args.last;
+        o.n_threads = args.threads;
+        o.n_ctx = args.n_ctx;
+        o.n_batch = args.n_batch;
+        o.max_sessions = args.max_sessions;
+        engine = dgr::ShardEngine::open(o);
+    } catch (const dgr::ShardError & e) {
+        std::cerr << "dgr-shard-worker: " << e.what() << "\n";
+        return 3;
+    }
+    ShardService service(std::move(engine), args);
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort(args.listen, grpc::InsecureServerCredentials(), &port);
+    builder.SetMaxReceiveMessageSize((int) std::min<uint64_t>(args.max_message_bytes, INT32_MAX));
+    builder.SetMaxSendMessageSize((int) std::min<uint64_t>(args.max_message_bytes * 2, INT32_MAX));
+    builder.RegisterService(&service);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    if (!server || port == 0) {
+        std::cerr << "dgr-shard-worker: cannot listen on " << args.listen << "\n";
+        return 4;
+    }
+    server->GetHealthCheckService()->SetServingStatus(true);
+    // the launcher reads this line to learn the port (and that the model is loaded)
+    std::cout << "DGR-WORKER-READY port=" << port << std::endl;
+
+    std::signal(SIGTERM, [](int) { g_stop.store(true); });
+    std::signal(SIGINT, [](int) { g_stop.store(true); });
+    while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    server->GetHealthCheckService()->SetServingStatus(false);
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(args.drain_seconds));
+    std::cout << "DGR-WORKER-STOPPED" << std::endl;
+    return 0;
+}

@@ -1,0 +1,118 @@
+"""`dgr worker`, `dgr generate`: a shard worker process, and generation through a route."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dgr_route.route import Route, RouteError, Sampling
+
+
+class Tokenizer:
+    """The model's own tokenizer, from a local copy of the GGUF (the smallest head stage)."""
+
+    def __init__(self, model: Path) -> None:
+        from dgr_native import load
+
+        self.engine = load().Engine(str(model), 0, 1, n_ctx=8, n_batch=8, max_sessions=1)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.engine.tokenize(text, True))
+
+    def piece(self, token: int) -> str:
+        return bytes(self.engine.detokenize([token])).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self.engine.is_eog(token))
+
+
+def model_arg(value: str) -> Path:
+    from dgr_artifacts.models import MODELS, model_path
+
+    return model_path(value) if value in MODELS else Path(value)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from dgr_native.build import worker_binary
+
+    from dgr_route.workers import descriptor_args
+
+    model = model_arg(args.model)
+    cmd = [
+        str(worker_binary()),
+        "--model",
+        str(model),
+        "--layers",
+        args.layers,
+        "--listen",
+        args.listen,
+        "--threads",
+        str(args.threads),
+        "--max-sessions",
+        str(args.max_sessions),
+        "--n-ctx",
+        str(args.n_ctx),
+        *descriptor_args(model),
+    ]
+    os.execv(cmd[0], cmd)  # the worker replaces this process: signals reach it directly
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    tokenizer = Tokenizer(model_arg(args.model))
+    try:
+        route = Route.open(args.route.split(","), timeout=args.timeout)
+    except RouteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    prompt = tokenizer.encode(args.prompt)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    started = time.perf_counter()
+    count = 0
+    try:
+        for token in route.generate(prompt, args.max_tokens, sampling):
+            if tokenizer.is_eog(token):
+                break
+            sys.stdout.write(tokenizer.piece(token))
+            sys.stdout.flush()
+            count += 1
+    except RouteError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        route.close()
+    elapsed = time.perf_counter() - started
+    print(
+        f"\n--- {count} tokens in {elapsed:.2f} s ({count / elapsed:.1f} tok/s) through "
+        f"{len(route.stages)} stages",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def register_worker(sub: Any) -> None:
+    p = sub.add_parser("worker", help="serve one layer range of a model over gRPC")
+    p.add_argument("--model", default="smollm2-135m-q4_1", help="GGUF path or registered name")
+    p.add_argument("--layers", required=True, help="FIRST:LAST (half-open)")
+    p.add_argument("--listen", default="127.0.0.1:0")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-sessions", type=int, default=4)
+    p.add_argument("--n-ctx", type=int, default=2048)
+    p.set_defaults(func=cmd_worker)
+
+
+def register_generate(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate through a route of running workers")
+    p.add_argument("prompt")
+    p.add_argument("--route", required=True, help="host:port,host:port,... in layer order")
+    p.add_argument("--model", default="smollm2-135m-q4_1", help="for the tokenizer")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.set_defaults(func=cmd_generate)

@@ -1,0 +1,226 @@
+"""The coordinator: open a route over shard workers, prefill and decode through it.
+
+A route is an ordered list of stages whose layer ranges must be contiguous and cover
+[0, n_layer) exactly, with identical compatibility descriptors; a mismatch names the stage and
+the field. Each session holds one bidirectional Forward stream per stage. The coordinator relays
+each boundary from a stage to the next (see docs/architecture.md for the cost and the planned
+stage-to-stage forwarding) and the tail returns only the sampled token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+from dgr.v1 import shard_pb2 as pb
+from dgr.v1 import shard_pb2_grpc as pb_grpc
+
+from dgr_route.codec import FNV_OFFSET, chunks, prefix_hash
+
+COMPAT_FIELDS = (
+    "model_fingerprint",
+    "llama_cpp_commit",
+    "patch_stack_sha256",
+    "schema_version",
+    "lane",
+    "arch",
+    "n_layer",
+)
+
+
+class RouteError(RuntimeError):
+    """A route could not be opened or a stage failed; names the stage and what was wrong."""
+
+    def __init__(
+        self, stage: int, address: str, what: str, code: grpc.StatusCode | None = None
+    ) -> None:
+        self.stage, self.address, self.what, self.code = stage, address, what, code
+        super().__init__(f"stage {stage} ({address}): {what}")
+
+
+@dataclass
+class Stage:
+    index: int
+    address: str
+    channel: grpc.Channel
+    stub: pb_grpc.ShardServiceStub
+    describe: pb.DescribeReply
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return self.describe.layer_first, self.describe.layer_last
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int = 0
+
+    def message(self) -> pb.Sampling:
+        return pb.Sampling(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed
+        )
+
+
+class _Stream:
+    """One Forward stream: requests go in through a queue, replies come back in order."""
+
+    def __init__(self, stage: Stage, timeout: float) -> None:
+        self.stage = stage
+        self.requests: queue.Queue[pb.ForwardRequest | None] = queue.Queue()
+        self.replies = stage.stub.Forward(iter(self.requests.get, None), timeout=timeout)
+
+    def call(self, request: pb.ForwardRequest) -> pb.ForwardReply:
+        self.requests.put(request)
+        try:
+            reply: pb.ForwardReply = next(self.replies)
+        except grpc.RpcError as exc:
+            raise RouteError(
+                self.stage.index,
+                self.stage.address,
+                f"{exc.code().name}: {exc.details()}",
+                exc.code(),
+            ) from exc
+        except StopIteration:
+            raise RouteError(
+                self.stage.index, self.stage.address, "the stream ended without a reply"
+            ) from None
+        return reply
+
+    def close(self) -> None:
+        self.requests.put(None)
+
+
+@dataclass
+class Route:
+    stages: list[Stage]
+    timeout: float = 60.0
+    n_layer: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.n_layer = self.stages[0].describe.compatibility.n_layer
+
+    @classmethod
+    def open(cls, addresses: list[str], timeout: float = 60.0) -> Route:
+        stages = []
+        for i, address in enumerate(addresses):
+            channel = grpc.insecure_channel(
+                address,
+                options=[
+                    ("grpc.max_receive_message_length", 256 << 20),
+                    ("grpc.max_send_message_length", 256 << 20),
+                ],
+            )
+            stub = pb_grpc.ShardServiceStub(channel)  # type: ignore[no-untyped-call]  # generated
+            try:
+                describe = stub.Describe(pb.DescribeRequest(), timeout=timeout)
+            except grpc.RpcError as exc:
+                raise RouteError(
+                    i, address, f"Describe failed: {exc.code().name}: {exc.details()}", exc.code()
+                ) from exc
+            stages.append(Stage(i, address, channel, stub, describe))
+        check_route(stages)
+        return cls(stages, timeout)
+
+    def close(self) -> None:
+        for stage in self.stages:
+            stage.channel.close()
+
+    def generate(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: Sampling | None = None,
+        stop: set[int] | None = None,
+    ) -> Iterator[int]:
+        """Yield generated token ids; prefill travels in chunks the stages accept."""
+        sampling = sampling or Sampling()
+        session = secrets.randbits(63)
+        streams = [_Stream(s, self.timeout) for s in self.stages]
+        chunk = min(s.describe.max_tokens_per_message for s in self.stages)
+        n_past, history = 0, FNV_OFFSET
+        try:
+            token = -1
+            for part in chunks(len(prompt), chunk):
+                tokens = prompt[part]
+                token = self._step(streams, session, tokens, n_past, history, sampling)
+                history = prefix_hash(tokens, history)
+                n_past += len(tokens)
+            for _ in range(max_tokens):
+                yield token
+                if stop and token in stop:
+                    return
+                new = self._step(streams, session, [token], n_past, history, sampling)
+                history = prefix_hash([token], history)
+                n_past += 1
+                token = new
+        finally:
+            for stream in streams:
+                stream.close()
+            for stage in self.stages:
+                with contextlib.suppress(grpc.RpcError):  # a dead stage has no session left
+                    stage.stub.CloseSession(pb.CloseSessionRequest(session_id=session), timeout=5)
+
+    def _step(
+        self,
+        streams: list[_Stream],
+        session: int,
+        tokens: list[int],
+        n_past: int,
+        history: int,
+        sampling: Sampling,
+    ) -> int:
+        expect = pb.CacheExpectation(epoch=1, n_past=n_past, prefix_hash=history)
+        boundary: pb.Boundary | None = None
+        for stream in streams:
+            request = pb.ForwardRequest(
+                session_id=session,
+                expect=expect,
+                token_ids=tokens,
+                sampling=sampling.message(),
+                last_chunk=True,
+            )
+            if boundary is not None:
+                request.boundary.CopyFrom(boundary)
+            reply = stream.call(request)
+            if reply.HasField("token"):
+                return int(reply.token.token_id)
+            boundary = reply.boundary
+        raise RouteError(len(streams) - 1, streams[-1].stage.address, "the tail sent no token")
+
+
+def check_route(stages: list[Stage]) -> None:
+    first = stages[0]
+    n_layer = first.describe.compatibility.n_layer
+    for stage in stages:
+        for name in COMPAT_FIELDS:
+            want = getattr(first.describe.compatibility, name)
+            got = getattr(stage.describe.compatibility, name)
+            if got != want:
+                raise RouteError(
+                    stage.index,
+                    stage.address,
+                    f"incompatible descriptor field {name}: {got!r}, stage 0 has {want!r}",
+                )
+    expected = 0
+    for stage in stages:
+        lo, hi = stage.layers
+        if lo != expected:
+            what = "gap" if lo > expected else "overlap"
+            raise RouteError(
+                stage.index,
+                stage.address,
+                f"layer range [{lo}, {hi}) leaves a {what}: expected it to start at {expected}",
+            )
+        expected = hi
+    if expected != n_layer:
+        last = stages[-1]
+        raise RouteError(
+            last.index, last.address, f"route ends at layer {expected}, the model has {n_layer}"
+        )

@@ -1,0 +1,128 @@
+"""Start and stop real dgr-shard-worker processes (the C++ binary built with the engine)."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY = "DGR-WORKER-READY port="
+
+
+class WorkerStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class WorkerProcess:
+    proc: subprocess.Popen[str]
+    host: str
+    port: int
+    layers: tuple[int, int]
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM (drain), then SIGKILL if it does not exit in time; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def descriptor_args(model: Path) -> list[str]:
+    """Compatibility fields a worker reports: model fingerprint, llama.cpp pin, patch stack."""
+    from dgr_artifacts.identity import fingerprint, open_model
+    from dgr_prd.native_pin import llama_pin, patch_stack_hash
+    from dgr_prd.paths import find_root
+
+    repo = find_root()
+    pin = llama_pin(repo.llama_manifest) or {}
+    return [
+        "--model-fingerprint",
+        fingerprint(open_model(model)),
+        "--llama-commit",
+        str(pin.get("commit", "")),
+        "--patch-stack",
+        patch_stack_hash(repo.patches) or "",
+    ]
+
+
+def start_worker(
+    model: Path,
+    first: int,
+    last: int,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    threads: int = 2,
+    n_ctx: int = 2048,
+    n_batch: int = 512,
+    max_sessions: int = 4,
+    extra: list[str] | None = None,
+    descriptor: list[str] | None = None,
+    timeout: float = 120.0,
+) -> WorkerProcess:
+    from dgr_native.build import worker_binary
+
+    cmd = [
+        str(worker_binary()),
+        "--model",
+        str(model),
+        "--layers",
+        f"{first}:{last}",
+        "--listen",
+        f"{host}:{port}",
+        "--threads",
+        str(threads),
+        "--n-ctx",
+        str(n_ctx),
+        "--n-batch",
+        str(n_batch),
+        "--max-sessions",
+        str(max_sessions),
+        *(descriptor if descriptor is not None else descriptor_args(model)),
+        *(extra or []),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "GRPC_VERBOSITY": "ERROR"},
+    )
+    assert proc.stdout is not None
+    log: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            log.append(line.rstrip())
+            if line.startswith(READY):
+                return WorkerProcess(
+                    proc, host, int(line[len(READY) :].strip()), (first, last), log
+                )
+        elif proc.poll() is not None:
+            break
+    proc.kill()
+    tail = "\n".join(log[-20:])
+    raise WorkerStartError(
+        f"worker for layers [{first}, {last}) did not become ready (exit {proc.poll()}):\n{tail}"
+    )

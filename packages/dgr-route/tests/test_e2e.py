@@ -1,0 +1,284 @@
+"""Real dgr-shard-worker processes on loopback, driven by the coordinator: greedy output equals
+single-process llama.cpp, route checks, bad messages, dead peers, health and drain."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from dgr.v1 import shard_pb2 as pb
+from dgr.v1 import shard_pb2_grpc as pb_grpc
+from dgr_route.codec import FNV_OFFSET, encode
+from dgr_route.route import Route, RouteError
+from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+LAYOUTS = {
+    2: [(0, 15), (15, 30)],
+    3: [(0, 10), (10, 20), (20, 30)],
+    4: [(0, 8), (8, 15), (15, 23), (23, 30)],
+}
+
+
+@pytest.fixture(scope="module")
+def descriptor(smollm2: Path) -> list[str]:
+    return descriptor_args(smollm2)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2: Path) -> tuple[list[int], list[int]]:
+    from dgr_native.parity import reference_run
+
+    prompt, _, tokens = reference_run(smollm2, 63)
+    return prompt.tolist(), tokens
+
+
+@pytest.fixture(scope="module")
+def workers(smollm2: Path, descriptor: list[str]) -> Iterator[dict[tuple[int, int], WorkerProcess]]:
+    ranges = sorted({r for layout in LAYOUTS.values() for r in layout} | {(0, 20), (10, 30)})
+    started = {
+        r: start_worker(smollm2, *r, descriptor=descriptor, n_ctx=512, n_batch=512) for r in ranges
+    }
+    yield started
+    for w in started.values():
+        w.stop()
+
+
+def route_of(
+    workers: dict[tuple[int, int], WorkerProcess],
+    layout: list[tuple[int, int]],
+    timeout: float = 30.0,
+) -> Route:
+    return Route.open([workers[r].address for r in layout], timeout=timeout)
+
+
+@pytest.mark.parametrize("n_stages", [2, 3, 4])
+def test_greedy_output_equals_single_process(
+    workers: dict[tuple[int, int], WorkerProcess],
+    reference: tuple[list[int], list[int]],
+    n_stages: int,
+) -> None:
+    prompt, expected = reference
+    route = route_of(workers, LAYOUTS[n_stages])
+    got = list(route.generate(prompt, 64))
+    route.close()
+    assert got == expected[:64]
+
+
+def test_long_prompt_is_chunked(
+    workers: dict[tuple[int, int], WorkerProcess], smollm2: Path, descriptor: list[str]
+) -> None:
+    small = [
+        start_worker(smollm2, a, b, descriptor=descriptor, n_ctx=512, n_batch=16)
+        for a, b in LAYOUTS[2]
+    ]
+    try:
+        route = Route.open([w.address for w in small])
+        assert min(s.describe.max_tokens_per_message for s in route.stages) == 16
+        prompt = list(range(1000, 1050))
+        chunked = list(route.generate(prompt, 4))
+        whole = route_of(workers, LAYOUTS[2])
+        assert len(chunked) == 4 and chunked[0] == next(iter(whole.generate(prompt, 1)))
+    finally:
+        for w in small:
+            w.stop()
+
+
+@pytest.mark.parametrize(
+    "layout,stage,needle",
+    [
+        ([(0, 10), (20, 30)], 1, "leaves a gap"),
+        ([(0, 20), (10, 30)], 1, "leaves a overlap"),
+        ([(0, 10), (10, 20)], 1, "route ends at layer 20, the model has 30"),
+    ],
+)
+def test_route_ranges_are_checked(
+    workers: dict[tuple[int, int], WorkerProcess],
+    layout: list[tuple[int, int]],
+    stage: int,
+    needle: str,
+) -> None:
+    with pytest.raises(RouteError, match=needle) as info:
+        route_of(workers, layout)
+    assert info.value.stage == stage
+
+
+def test_incompatible_descriptor_names_stage_and_field(
+    workers: dict[tuple[int, int], WorkerProcess], smollm2: Path, descriptor: list[str]
+) -> None:
+    wrong = list(descriptor)
+    wrong[wrong.index("--model-fingerprint") + 1] = "0" * 64
+    other = start_worker(smollm2, 10, 30, descriptor=wrong, n_ctx=256)
+    try:
+        with pytest.raises(
+            RouteError, match="incompatible descriptor field model_fingerprint"
+        ) as info:
+            Route.open([workers[(0, 10)].address, other.address])
+        assert info.value.stage == 1
+    finally:
+        other.stop()
+
+
+def stub(worker: WorkerProcess) -> pb_grpc.ShardServiceStub:
+    return pb_grpc.ShardServiceStub(grpc.insecure_channel(worker.address))
+
+
+def forward_once(worker: WorkerProcess, request: pb.ForwardRequest) -> pb.ForwardReply:
+    replies = stub(worker).Forward(iter([request]), timeout=30)
+    reply: pb.ForwardReply = next(replies)
+    return reply
+
+
+def boundary(n_tokens: int = 3) -> pb.Boundary:
+    import numpy as np
+
+    return encode(np.zeros((n_tokens, 576), dtype=np.float32), "f32")
+
+
+def test_bad_messages_are_invalid_argument_and_the_worker_keeps_serving(
+    workers: dict[tuple[int, int], WorkerProcess], reference: tuple[list[int], list[int]]
+) -> None:
+    middle = workers[(10, 20)]
+    wrong_shape = boundary()
+    wrong_shape.shape[2] = 512
+    corrupt = boundary()
+    corrupt.crc32 ^= 1
+    truncated = boundary()
+    truncated.payload = truncated.payload[:-8]
+    cases = [
+        (wrong_shape, "boundary.shape"),
+        (corrupt, "boundary.crc32"),
+        (truncated, "boundary.payload"),
+    ]
+    for bad, needle in cases:
+        request = pb.ForwardRequest(
+            session_id=99, expect=pb.CacheExpectation(epoch=1), boundary=bad
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            forward_once(middle, request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in (info.value.details() or "")
+    oversize = pb.ForwardRequest(session_id=98, boundary=pb.Boundary(payload=b"x" * (70 << 20)))
+    with pytest.raises(grpc.RpcError) as info:
+        forward_once(middle, oversize)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    prompt, expected = reference
+    route = route_of(workers, LAYOUTS[3])
+    assert list(route.generate(prompt, 8)) == expected[:8]
+
+
+def test_stale_epoch_and_prefix_mismatch_are_failed_precondition(
+    workers: dict[tuple[int, int], WorkerProcess],
+) -> None:
+    head = workers[(0, 10)]
+    channel = grpc.insecure_channel(head.address)
+    s = pb_grpc.ShardServiceStub(channel)
+
+    def call(epoch: int, n_past: int, tokens: list[int], prefix: int = 0) -> pb.ForwardReply:
+        request = pb.ForwardRequest(
+            session_id=4242,
+            token_ids=tokens,
+            expect=pb.CacheExpectation(epoch=epoch, n_past=n_past, prefix_hash=prefix),
+        )
+        reply: pb.ForwardReply = next(s.Forward(iter([request]), timeout=30))
+        return reply
+
+    first = call(2, 0, [1, 2, 3], FNV_OFFSET)
+    assert first.n_past == 3
+    for epoch, n_past, prefix, needle in [
+        (1, 3, first.prefix_hash, "stale epoch"),
+        (2, 3, 12345, "prefix hash differs"),
+    ]:
+        with pytest.raises(grpc.RpcError) as info:
+            call(epoch, n_past, [4], prefix)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert needle in (info.value.details() or "")
+    assert call(2, 3, [4], first.prefix_hash).n_past == 4
+    s.CloseSession(pb.CloseSessionRequest(session_id=4242))
+
+
+def test_a_worker_killed_mid_generation_is_named(
+    smollm2: Path, descriptor: list[str], reference: tuple[list[int], list[int]]
+) -> None:
+    fleet = [start_worker(smollm2, a, b, descriptor=descriptor, n_ctx=512) for a, b in LAYOUTS[3]]
+    try:
+        route = Route.open([w.address for w in fleet], timeout=10)
+        prompt, _ = reference
+        stream = route.generate(prompt, 64)
+        for _ in range(5):
+            next(stream)
+        fleet[1].kill()
+        started = time.monotonic()
+        with pytest.raises(RouteError) as info:
+            for _ in stream:
+                pass
+        assert info.value.stage == 1 and fleet[1].address in str(info.value)
+        assert time.monotonic() - started < 15
+    finally:
+        for w in fleet:
+            w.stop()
+
+
+def test_health_describe_and_drain(smollm2: Path, descriptor: list[str]) -> None:
+    worker = start_worker(smollm2, 10, 20, descriptor=descriptor, n_ctx=256, max_sessions=3)
+    channel = grpc.insecure_channel(worker.address)
+    check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert check.status == health_pb2.HealthCheckResponse.SERVING
+    s = pb_grpc.ShardServiceStub(channel)
+    health = s.Health(pb.HealthRequest(), timeout=10)
+    assert health.ready and health.capacity == 3 and not health.draining
+    d = s.Describe(pb.DescribeRequest(), timeout=10)
+    assert (d.layer_first, d.layer_last, d.boundary.n_embd, d.boundary.hc) == (10, 20, 576, 1)
+    assert d.compatibility.model_fingerprint == descriptor[1]
+    assert d.compatibility.llama_cpp_commit.startswith("0c1e5709")
+    assert len(d.compatibility.patch_stack_sha256) == 64
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.proc.wait(30) == 0
+    assert "DGR-WORKER-STOPPED" in (worker.proc.stdout.read() if worker.proc.stdout else "")
+
+
+def test_cli_generate_streams_through_a_route(
+    workers: dict[tuple[int, int], WorkerProcess],
+) -> None:
+    route = ",".join(workers[r].address for r in LAYOUTS[2])
+    done = subprocess.run(
+        ["dgr", "generate", "--route", route, "--max-tokens", "12", "The capital of France is"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "Paris" in done.stdout
+    assert "tok/s) through 2 stages" in done.stderr
+
+
+def test_an_abandoned_stream_frees_its_session(
+    workers: dict[tuple[int, int], WorkerProcess],
+) -> None:
+    head = workers[(0, 10)]
+    s = pb_grpc.ShardServiceStub(grpc.insecure_channel(head.address))
+    before = s.Health(pb.HealthRequest(), timeout=10).sessions
+
+    def requests() -> Iterator[pb.ForwardRequest]:
+        yield pb.ForwardRequest(
+            session_id=777,
+            token_ids=[1, 2, 3],
+            expect=pb.CacheExpectation(epoch=1, prefix_hash=FNV_OFFSET),
+        )
+        time.sleep(5)  # the client stalls past its deadline
+
+    replies = s.Forward(requests(), timeout=1.0)
+    next(replies)
+    assert s.Health(pb.HealthRequest(), timeout=10).sessions == before + 1
+    with pytest.raises(grpc.RpcError) as info:
+        next(replies)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 10
+    while s.Health(pb.HealthRequest(), timeout=10).sessions != before:
+        assert time.monotonic() < deadline, "the worker should free the abandoned session"
+        time.sleep(0.1)
