@@ -3,6 +3,7 @@ single-process llama.cpp, route checks, bad messages, dead peers, health and dra
 
 from __future__ import annotations
 
+import queue
 import signal
 import subprocess
 import time
@@ -179,13 +180,19 @@ def test_stale_epoch_and_prefix_mismatch_are_failed_precondition(
     channel = grpc.insecure_channel(head.address)
     s = pb_grpc.ShardServiceStub(channel)
 
+    open_streams = []  # a stream dropped by its client frees its sessions: keep them open
+
     def call(epoch: int, n_past: int, tokens: list[int], prefix: int = 0) -> pb.ForwardReply:
         request = pb.ForwardRequest(
             session_id=4242,
             token_ids=tokens,
             expect=pb.CacheExpectation(epoch=epoch, n_past=n_past, prefix_hash=prefix),
         )
-        reply: pb.ForwardReply = next(s.Forward(iter([request]), timeout=30))
+        requests: queue.Queue[pb.ForwardRequest | None] = queue.Queue()
+        requests.put(request)
+        replies = s.Forward(iter(requests.get, None), timeout=30)
+        open_streams.append((requests, replies))
+        reply: pb.ForwardReply = next(replies)
         return reply
 
     first = call(2, 0, [1, 2, 3], FNV_OFFSET)
@@ -200,6 +207,8 @@ def test_stale_epoch_and_prefix_mismatch_are_failed_precondition(
         assert needle in (info.value.details() or "")
     assert call(2, 3, [4], first.prefix_hash).n_past == 4
     s.CloseSession(pb.CloseSessionRequest(session_id=4242))
+    for requests, _ in open_streams:
+        requests.put(None)
 
 
 def test_a_worker_killed_mid_generation_is_named(
