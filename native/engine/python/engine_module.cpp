@@ -129,6 +129,10 @@ public:
     }
     py::bytes detokenize(const std::vector<int32_t> & tokens) const { return py::bytes(engine_->detokenize(tokens)); }
     bool is_eog(int32_t token) const { return engine_->is_eog(token); }
+    std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
+                                    bool add_assistant) const {
+        return engine_->apply_chat_template(messages, add_assistant);
+    }
     std::vector<uint64_t> sessions() const { return engine_->sessions(); }
 
 private:
@@ -173,7 +177,9 @@ PYBIND11_MODULE(_dgr_engine, m) {
         .def("sessions", &PyEngine::sessions)
         .def("tokenize", &PyEngine::tokenize, py::arg("text"), py::arg("add_special") = true)
         .def("detokenize", &PyEngine::detokenize, py::arg("tokens"))
-        .def("is_eog", &PyEngine::is_eog, py::arg("token"));
+        .def("is_eog", &PyEngine::is_eog, py::arg("token"))
+        .def("apply_chat_template", &PyEngine::apply_chat_template, py::arg("messages"),
+             py::arg("add_assistant") = true);
     m.def("range_supported", &dgr::range_supported);
     // the part of a stage that does not depend on its range (metadata and vocabulary): memory
     // benchmarks measure it as the fixed runtime overhead of serving this model

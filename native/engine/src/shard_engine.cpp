@@ -238,6 +238,31 @@ public:
         return llama_vocab_is_eog(llama_model_get_vocab(model_), token);
     }
 
+    std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
+                                    bool add_assistant) const override {
+        const char * tmpl = llama_model_chat_template(model_, nullptr);
+        if (tmpl == nullptr) {
+            throw ShardError(Status::invalid_argument, "the model carries no chat template");
+        }
+        std::vector<llama_chat_message> chat;
+        size_t total = 0;
+        for (const auto & m : messages) {
+            chat.push_back({m.first.c_str(), m.second.c_str()});
+            total += m.first.size() + m.second.size();
+        }
+        std::string out(total * 2 + 256, '\0');
+        int32_t n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_assistant, out.data(), (int32_t) out.size());
+        if (n > (int32_t) out.size()) {
+            out.resize((size_t) n);
+            n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_assistant, out.data(), (int32_t) out.size());
+        }
+        if (n < 0) {
+            throw ShardError(Status::invalid_argument, "the model's chat template is not one llama.cpp can apply");
+        }
+        out.resize((size_t) n);
+        return out;
+    }
+
     void release(uint64_t session) override {
         std::lock_guard<std::mutex> lock(mutex_);
         auto it = sessions_.find(session);

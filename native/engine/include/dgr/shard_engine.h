@@ -120,6 +120,10 @@ public:
     virtual std::vector<int32_t> tokenize(const std::string & text, bool add_special) const = 0;
     virtual std::string detokenize(const std::vector<int32_t> & tokens) const = 0;
     virtual bool is_eog(int32_t token) const = 0;
+    // the model's chat template applied to (role, content) messages (llama.cpp's built-in
+    // template matcher); throws invalid_argument when the model has no usable template
+    virtual std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
+                                            bool add_assistant) const = 0;
 };
 
 // Architectures whose graphs carry the range hooks (patch 0002); the full range works for all.

@@ -29,6 +29,9 @@ class Tokenizer:
     def is_eog(self, token: int) -> bool:
         return bool(self.engine.is_eog(token))
 
+    def chat(self, messages: list[tuple[str, str]]) -> str:
+        return str(self.engine.apply_chat_template(messages, True))
+
 
 def model_arg(value: str) -> Path:
     from dgr_artifacts.models import MODELS, model_path
@@ -91,6 +94,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from dgr_route.openai_server import create_app
+
+    model = model_arg(args.model)
+    try:
+        route = Route.open(args.route.split(","), timeout=args.timeout)
+    except RouteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    app = create_app(route, Tokenizer(model), args.model_name or model.stem)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def register_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API over a route")
+    p.add_argument("--route", required=True, help="host:port,host:port,... in layer order")
+    p.add_argument("--model", default="smollm2-135m-q4_1", help="for the tokenizer and template")
+    p.add_argument("--model-name", help="the id /v1/models reports")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.set_defaults(func=cmd_serve)
 
 
 def register_worker(sub: Any) -> None:
