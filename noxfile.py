@@ -103,6 +103,12 @@ def bench_memory(session: nox.Session) -> None:
     session.run("python", "-m", "dgr_native.memory", *session.posargs)
 
 
+@nox.session(python=False)
+def bench(session: nox.Session) -> None:
+    """Route speed vs single-process llama.cpp and llama.cpp RPC, same run (JSON to evidence/)."""
+    session.run("python", "-m", "dgr_route.bench", *session.posargs)
+
+
 @nox.session(name="bench-verify", python=False)
 def bench_verify(session: nox.Session) -> None:
     """Resumable verification throughput vs sha256sum, measured side by side (JSON to evidence/)."""

@@ -29,6 +29,7 @@ from dgr_llamacpp.workspace import NativeWorkspace
 AMX_OFF = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LANE_OPTIONS = {
     "cpu": [],
+    "cpu-rpc": ["-DGGML_RPC=ON"],  # llama.cpp's own RPC backend, the bench's baseline
     "cuda": ["-DGGML_CUDA=ON"],
     "rocm": ["-DGGML_HIP=ON"],
     "vulkan": ["-DGGML_VULKAN=ON"],
