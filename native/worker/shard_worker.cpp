@@ -36,6 +36,7 @@ struct Args {
     int32_t first = 0, last = -1, threads = 2, n_ctx = 2048, n_batch = 512, max_sessions = 4;
     uint64_t max_message_bytes = 64ull << 20;
     int drain_seconds = 10;
+    int poll = 50;  // ggml threadpool spin level between graphs (0 sleeps, 100 spins)
 };
 
 std::atomic<bool> g_stop{false};
@@ -346,6 +347,7 @@ bool parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--llama-commit") a.llama_commit = val();
         else if (k == "--patch-stack") a.patch_hash = val();
         else if (k == "--drain-seconds") a.drain_seconds = std::stoi(val());
+        else if (k == "--poll") a.poll = std::stoi(val());
         else throw std::invalid_argument("unknown option " + k);
     }
     if (a.model.empty()) throw std::invalid_argument("--model is required");
@@ -362,7 +364,8 @@ int main(int argc, char ** argv) {
         std::cerr << "dgr-shard-worker: " << e.what() << "\n"
                   << "usage: dgr-shard-worker --model PATH --layers FIRST:LAST [--listen HOST:PORT] [--threads N]\n"
                      "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--lane cpu]\n"
-                     "  [--model-fingerprint HEX] [--llama-commit SHA] [--patch-stack SHA] [--drain-seconds N]\n";
+                     "  [--model-fingerprint HEX] [--llama-commit SHA] [--patch-stack SHA] [--drain-seconds N]\n"
+                     "  [--poll 0-100]\n";
         return 2;
     }
     std::unique_ptr<dgr::ShardEngine> engine;
@@ -375,6 +378,7 @@ int main(int argc, char ** argv) {
         o.n_ctx = args.n_ctx;
         o.n_batch = args.n_batch;
         o.max_sessions = args.max_sessions;
+        o.poll = args.poll;
         engine = dgr::ShardEngine::open(o);
     } catch (const dgr::ShardError & e) {
         std::cerr << "dgr-shard-worker: " << e.what() << "\n";

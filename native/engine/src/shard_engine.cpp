@@ -2,6 +2,7 @@
 #include "dgr/shard_engine.h"
 
 #include "ggml.h"
+#include "ggml-cpu.h"
 #include "gguf.h"
 #include "llama.h"
 #include "llama-ext.h"  // llama_get_memory_breakdown (exported, from the pinned tree's src/)
@@ -158,6 +159,15 @@ public:
             throw ShardError(Status::capacity, take_or("cannot create a context of the requested size"));
         }
 
+        // Stages of a route run one after another and share cores with their neighbours; a
+        // threadpool that keeps spinning after its graph steals the CPU the next stage needs.
+        ggml_threadpool_params tpp = ggml_threadpool_params_default(options.n_threads);
+        tpp.poll = (uint32_t) options.poll;
+        threadpool_ = ggml_threadpool_new(&tpp);
+        if (threadpool_ != nullptr) {
+            llama_attach_threadpool(ctx_, threadpool_, threadpool_);
+        }
+
         desc_.arch = arch;
         char buf[256];
         llama_model_desc(model_, buf, sizeof(buf));
@@ -186,6 +196,7 @@ public:
 
     ~LlamaShardEngine() override {
         if (ctx_) llama_free(ctx_);
+        if (threadpool_) ggml_threadpool_free(threadpool_);
         if (model_) llama_model_free(model_);
     }
 
@@ -418,6 +429,7 @@ private:
     Description desc_;
     llama_model * model_ = nullptr;
     llama_context * ctx_ = nullptr;
+    ggml_threadpool * threadpool_ = nullptr;
     mutable std::mutex mutex_;
     std::map<uint64_t, Session> sessions_;
     std::vector<llama_seq_id> free_seqs_;

@@ -57,6 +57,7 @@ struct EngineOptions {
     int32_t n_ctx = 2048;       // per session
     int32_t n_batch = 512;      // most tokens one forward may carry
     int32_t max_sessions = 4;
+    int32_t poll = 50;          // threadpool spin level between graphs (0: sleep, 100: spin)
 };
 
 struct BoundarySpec {
