@@ -1,4 +1,4 @@
-"""Real inputs: SmolLM2 from the package index and split sets made by llama.cpp's gguf-split."""
+"""Split sets of the real SmolLM2 made by llama.cpp's gguf-split (smollm2: packages/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from dgr_artifacts.manifest import ArtifactManifest, build_manifest
-from dgr_artifacts.models import model_path
 
 # name -> gguf-split arguments; the split sets the range-subset tests run on
 SPLITS = {
@@ -17,11 +16,6 @@ SPLITS = {
     "tensors-60": ["--split-max-tensors", "60"],
     "size-32M": ["--split-max-size", "32M"],
 }
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> Path:
-    return model_path()
 
 
 @pytest.fixture(scope="session")

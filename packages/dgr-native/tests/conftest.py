@@ -1,25 +1,10 @@
-"""The real engine over the real SmolLM2 from the package index."""
+"""The manifest of the real SmolLM2 (smollm2 and engine_module come from packages/conftest.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def engine_module() -> ModuleType:
-    from dgr_native import load
-
-    return load()
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> Path:
-    from dgr_artifacts.models import model_path
-
-    return model_path()
 
 
 @pytest.fixture(scope="session")
