@@ -115,3 +115,12 @@ def test_story_page_shows_its_evidence(base_url: str, tmp_path: Path) -> None:
         assert command.name in text
     for heading in ("Latest evidence", "Commands", "Log excerpts", "Handoff", "Run history"):
         assert heading in text
+
+
+def test_benchmarks_page_lists_each_bench(base_url: str, tmp_path: Path) -> None:
+    repo = RepoPaths(Path(__file__).resolve().parents[3])
+    benches = sorted(p.stem for p in (repo.evidence / "bench").glob("*.json"))
+    text = text_of(browse(f"{base_url}/generated/benchmarks/", tmp_path, "--dump-dom"))
+    assert "Benchmarks" in text
+    for name in benches:
+        assert name in text

@@ -5,9 +5,11 @@ mkdocs then builds the site with --strict; nothing here is committed (docs/gener
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -209,6 +211,79 @@ def render_dashboard(paths: RepoPaths, prd: Prd) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _route_bench_plot(by_threads: dict[str, Any], out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    setups = list(next(iter(by_threads.values()))["rows"])
+    width = 0.8 / max(len(by_threads), 1)
+    for i, (threads, result) in enumerate(sorted(by_threads.items())):
+        xs = [n + i * width for n in range(len(setups))]
+        ax.bar(
+            xs,
+            [result["rows"][name]["decode"] for name in setups],
+            width,
+            label=f"{threads} thread(s) per process",
+        )
+    ax.set_xticks([n + width * (len(by_threads) - 1) / 2 for n in range(len(setups))])
+    ax.set_xticklabels(setups, rotation=20, fontsize="small", ha="right")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("Route decode speed next to its references (same run)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, format="svg")
+    plt.close(fig)
+
+
+def render_benchmarks(paths: RepoPaths, plots: Path) -> str:
+    """evidence/bench/*.json as tables (and a plot for the route bench)."""
+    lines = [
+        "# Benchmarks",
+        "",
+        "The latest run of each bench session (`nox -s bench`, "
+        "`bench-memory`, `bench-verify`); every ratio compares against a reference "
+        "measured in the same run. Raw JSON: `evidence/bench/`.",
+        "",
+    ]
+    bench_dir = paths.evidence / "bench"
+    for path in sorted(bench_dir.glob("*.json")) if bench_dir.is_dir() else []:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        lines += [f"## {path.stem}", ""]
+        if "by_threads" in data:
+            _route_bench_plot(data["by_threads"], plots / "bench-route.svg")
+            lines += ["![Route decode speed](plots/bench-route.svg)", ""]
+            for threads, result in sorted(data["by_threads"].items()):
+                lines += [
+                    f"### {threads} thread(s) per process",
+                    "",
+                    "| setup | prefill tok/s | decode tok/s |",
+                    "|---|---|---|",
+                ]
+                lines += [
+                    f"| {name} | {r['prefill']:.1f} | {r['decode']:.1f} |"
+                    for name, r in result["rows"].items()
+                ]
+                lines += ["", "| ratio | value |", "|---|---|"]
+                lines += [f"| `{k}` | {v:.3f} |" for k, v in result["ratios"].items()]
+                lines.append("")
+        else:
+            rows = [(k, v) for k, v in flatten_metrics(data) if not isinstance(v, list)]
+            lines += ["| field | value |", "|---|---|"] + [f"| `{k}` | {v} |" for k, v in rows]
+            for stage in data.get("stages", []):
+                if stage is data["stages"][0]:
+                    lines += [
+                        "",
+                        "| stage | layers | weights MiB | KV MiB | compute MiB | RSS MiB | ratio |",
+                        "|---|---|---|---|---|---|---|",
+                    ]
+                lines.append(
+                    f"| {stage['stage']} | {stage['layers']} | "
+                    f"{stage['owned_weight_bytes'] / 2**20:.1f} | {stage['kv_bytes'] / 2**20:.1f}"
+                    f" | {stage['compute_bytes'] / 2**20:.1f} | {stage['rss_bytes'] / 2**20:.1f}"
+                    f" | {stage['rss_over_estimate']:.3f} |"
+                )
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
 def generate(paths: RepoPaths, prd: Prd) -> list[Path]:
     out = paths.generated_docs
     if out.exists():
@@ -219,6 +294,7 @@ def generate(paths: RepoPaths, prd: Prd) -> list[Path]:
     pages: dict[Path, str] = {
         out / "dashboard.md": render_dashboard(paths, prd),
         out / "prd.md": paths.prd_md.read_text(encoding="utf-8"),
+        out / "benchmarks.md": render_benchmarks(paths, plots),
         out / "stories" / "index.md": "# Stories\n\n"
         + "\n".join(f"- [{s.id}: {s.title}]({s.id}.md) ({s.status.value})" for s in prd.stories)
         + "\n",
