@@ -67,13 +67,17 @@ def cmake_args(source: Path, build: Path, lane: str) -> list[str]:
     ]
 
 
+def build_root() -> Path:
+    """Where every native build directory lives ($DGR_BUILD_DIR, default $DGR_CACHE/build)."""
+    return Path(os.environ.get("DGR_BUILD_DIR", cache_dir() / "build"))
+
+
 def build_dir(ws: NativeWorkspace, lane: str) -> Path:
-    return Path(os.environ.get("DGR_BUILD_DIR", cache_dir() / "build")) / (
-        f"llama.cpp-{ws.pin.commit[:12]}-{lane}"
-    )
+    return build_root() / f"llama.cpp-{ws.pin.commit[:12]}-{lane}"
 
 
-def _run(cmd: list[str], log: TextIO) -> None:
+def run_step(cmd: list[str], log: TextIO) -> None:
+    """Run one build command, its output to `log`; a failure is a BuildError."""
     log.write("+ " + " ".join(cmd) + "\n")
     log.flush()
     done = subprocess.run(
@@ -81,6 +85,17 @@ def _run(cmd: list[str], log: TextIO) -> None:
     )
     if done.returncode != 0:
         raise BuildError(f"{cmd[0]} failed with exit code {done.returncode}")
+
+
+def configure(args: list[str], build: Path, log: TextIO) -> None:
+    """Run the CMake configure `args` into `build` unless the same arguments already did."""
+    args_hash = hashlib.sha256(json.dumps(args).encode()).hexdigest()
+    stamp = build / ".dgr-configure"
+    if not stamp.is_file() or stamp.read_text().strip() != args_hash:
+        build.mkdir(parents=True, exist_ok=True)
+        (build / "CMakeCache.txt").unlink(missing_ok=True)  # it may name another source dir
+        run_step(args, log)
+        stamp.write_text(args_hash + "\n")
 
 
 def build(
@@ -93,16 +108,9 @@ def build(
     pristine = fetch(ws.pin, ws.root, log)
     source, _ = apply_stack(pristine, ws.patched, ws.patches)
     build = build_dir(ws, lane)
-    args = cmake_args(source, build, lane)
-    args_hash = hashlib.sha256(json.dumps(args).encode()).hexdigest()
-    stamp = build / ".dgr-configure"
-    if not stamp.is_file() or stamp.read_text().strip() != args_hash:
-        build.mkdir(parents=True, exist_ok=True)
-        (build / "CMakeCache.txt").unlink(missing_ok=True)  # it may name another source dir
-        _run(args, log)
-        stamp.write_text(args_hash + "\n")
+    configure(cmake_args(source, build, lane), build, log)
     jobs = str(os.cpu_count() or 2)
-    _run(
+    run_step(
         ["cmake", "--build", str(build), "-j", jobs, "--target", *(targets or DEFAULT_TARGETS)], log
     )
     return build / "bin"

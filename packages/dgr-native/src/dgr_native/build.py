@@ -7,16 +7,14 @@ engine change recompiles only the engine.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pybind11
-from dgr_llamacpp.build import BuildError, build
+from dgr_llamacpp.build import BuildError, build, build_root, configure, run_step
 from dgr_llamacpp.workspace import open_workspace
-from dgr_prd.downloads import cache_dir
 
 
 def engine_source(repo_root: Path) -> Path:
@@ -29,7 +27,7 @@ def build_engine(lane: str = "cpu") -> Path:
     llama_bin = build(ws, lane, ["llama"], log=sys.stderr)
     source = engine_source(ws.repo.root)
     key = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:10]
-    out = cache_dir() / "build" / f"engine-{key}-{lane}"
+    out = build_root() / f"engine-{key}-{lane}"
     args = [
         "cmake",
         "-S",
@@ -45,26 +43,18 @@ def build_engine(lane: str = "cpu") -> Path:
         f"-DPython_EXECUTABLE={sys.executable}",
         "-DDGR_BUILD_WORKER=ON",
     ]
-    stamp = out / ".dgr-configure"
-    digest = hashlib.sha256(json.dumps(args).encode()).hexdigest()
-    if not stamp.is_file() or stamp.read_text().strip() != digest:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "CMakeCache.txt").unlink(missing_ok=True)
-        _run(args)
-        stamp.write_text(digest + "\n")
-    _run(["cmake", "--build", str(out), "--target", "_dgr_engine", "dgr-shard-worker"])
+    configure(args, out, sys.stderr)
+    run_step(
+        ["cmake", "--build", str(out), "--target", "_dgr_engine", "dgr-shard-worker"], sys.stderr
+    )
     found = sorted(out.glob("_dgr_engine*.so"))
     if not found:
         raise BuildError(f"_dgr_engine was not produced in {out}")
     return found[0]
 
 
+@functools.cache
 def worker_binary(lane: str = "cpu") -> Path:
-    """The dgr-shard-worker executable, built beside the engine module."""
+    """The dgr-shard-worker executable, built beside the engine module (checked once per
+    process: starting many workers should not run the build check each time)."""
     return build_engine(lane).parent / "dgr-shard-worker"
-
-
-def _run(cmd: list[str]) -> None:
-    done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
-        raise BuildError(f"{cmd[0]} {' '.join(cmd[1:3])} failed with exit code {done.returncode}")

@@ -99,7 +99,6 @@ def run(model_name: str, n_stages: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="dgr-memory-") as tmp:
         for i, (first, last) in enumerate(even_layout(manifest.n_layer, n_stages)):
             stage = child(first, last, f"{tmp}/b{i}.npy", f"{tmp}/b{i + 1}.npy")
-            stage["overhead"] = overhead
             weights = range_subset(manifest, first, last).total_bytes
             expected = weights + stage["kv"] + stage["compute"]
             rows.append(

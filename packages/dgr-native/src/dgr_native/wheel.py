@@ -12,10 +12,10 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from dgr_llamacpp.build import build_root
 from dgr_llamacpp.fetch import fetch
 from dgr_llamacpp.patches import apply_stack
 from dgr_llamacpp.workspace import open_workspace
-from dgr_prd.downloads import cache_dir
 from dgr_prd.metrics import report
 
 from dgr_native import load
@@ -38,7 +38,7 @@ print(json.dumps({"file": m.__file__, "logits": logits[0].view(np.uint32).tolist
 def build_wheel(out_dir: Path, lane: str = "cpu") -> Path:
     ws = open_workspace()
     patched, _ = apply_stack(fetch(ws.pin, ws.root), ws.patched, ws.patches)
-    build = cache_dir() / "build" / f"wheel-{ws.pin.commit[:12]}-{lane}"
+    build = build_root() / f"wheel-{ws.pin.commit[:12]}-{lane}"
     cmd = [
         UV,
         "build",

@@ -81,8 +81,26 @@ def rpc_servers(
             )
         )
         addresses.append(f"127.0.0.1:{port}")
-    time.sleep(1.5)
+    for proc, address in zip(procs, addresses, strict=True):
+        wait_listening(proc, address)
     return procs, addresses
+
+
+def wait_listening(proc: subprocess.Popen[str], address: str, timeout: float = 60.0) -> None:
+    """Until the server accepts connections (it exiting first is an error)."""
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server for {address} exited with {proc.returncode}")
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"server for {address} is not listening after {timeout:.0f} s")
 
 
 def dgr_route(
