@@ -1,6 +1,7 @@
 // _dgr_engine: the ShardEngine for Python. Inputs are read from numpy buffers in place (no copy;
 // wrong dtype or layout is a TypeError, never a silent conversion); outputs hand the engine's
 // buffer to numpy without a copy; the GIL is released while llama.cpp computes.
+#include "dgr/random_model.h"
 #include "dgr/shard_engine.h"
 #include "llama.h"
 
@@ -62,6 +63,7 @@ public:
         out["hc"] = d.boundary.hc;
         out["n_embd"] = d.boundary.n_embd;
         out["needs_token_ids"] = d.boundary.needs_token_ids;
+        out["hash_layers"] = d.hash_layers;
         out["weight_bytes"] = d.weight_bytes;
         out["model_buffer_bytes"] = d.model_buffer_bytes;
         out["kv_bytes"] = d.kv_bytes;
@@ -156,7 +158,7 @@ PYBIND11_MODULE(_dgr_engine, m) {
 
     py::class_<PyEngine>(m, "Engine")
         .def(py::init([](const std::string & model_path, int32_t layer_first, int32_t layer_last, int32_t n_threads,
-                         int32_t n_ctx, int32_t n_batch, int32_t max_sessions, int32_t poll) {
+                         int32_t n_ctx, int32_t n_batch, int32_t max_sessions, int32_t poll, bool load_mtp) {
                  dgr::EngineOptions o;
                  o.model_path = model_path;
                  o.layer_first = layer_first;
@@ -166,11 +168,12 @@ PYBIND11_MODULE(_dgr_engine, m) {
                  o.n_batch = n_batch;
                  o.max_sessions = max_sessions;
                  o.poll = poll;
+                 o.load_mtp = load_mtp;
                  return std::make_unique<PyEngine>(o);
              }),
              py::arg("model_path"), py::arg("layer_first") = 0, py::arg("layer_last") = -1, py::arg("n_threads") = 2,
              py::arg("n_ctx") = 2048, py::arg("n_batch") = 512, py::arg("max_sessions") = 4,
-             py::arg("poll") = 50)
+             py::arg("poll") = 50, py::arg("load_mtp") = false)
         .def("describe", &PyEngine::describe)
         .def("forward", &PyEngine::forward, py::arg("session"), py::arg("epoch"), py::arg("n_past"),
              py::arg("tokens") = py::none(), py::arg("boundary") = py::none(), py::arg("logits_all") = false,
@@ -183,6 +186,15 @@ PYBIND11_MODULE(_dgr_engine, m) {
         .def("apply_chat_template", &PyEngine::apply_chat_template, py::arg("messages"),
              py::arg("add_assistant") = true);
     m.def("range_supported", &dgr::range_supported);
+    m.def("generate_random_model",
+          [](const std::string & metadata_path, const std::string & out_path, uint64_t seed, float stdev,
+             const std::map<std::string, std::string> & tensor_types) {
+              dgr::RandomModelSpec spec{metadata_path, out_path, seed, stdev, tensor_types};
+              py::gil_scoped_release release;
+              dgr::generate_random_model(spec);
+          },
+          py::arg("metadata_path"), py::arg("out_path"), py::arg("seed"), py::arg("stdev") = 0.1f,
+          py::arg("tensor_types") = std::map<std::string, std::string>{});
     // the part of a stage that does not depend on its range (metadata and vocabulary): memory
     // benchmarks measure it as the fixed runtime overhead of serving this model
     m.def("hold_vocabulary", [](const std::string & path) {

@@ -18,7 +18,9 @@ namespace dgr {
 
 namespace {
 
-const std::set<std::string> kRangeArchs = {"llama", "gemma3"};
+const std::set<std::string> kRangeArchs = {"llama", "gemma3", "deepseek4"};
+// archs whose stages after the head take the residual through llama_dgr_set_boundary (patch 0004)
+const std::set<std::string> kStagedBoundaryArchs = {"deepseek4"};
 
 // llama.cpp reports load failures through its log; keep the last error for the typed message
 std::mutex g_log_mutex;
@@ -71,8 +73,16 @@ void check_gguf_file(const std::string & path) {
     }
 }
 
-// arch and main-layer count from the GGUF metadata (no tensor data is read)
-std::pair<std::string, int32_t> probe_layers(const std::string & path) {
+// what the seam needs to know, from the GGUF metadata alone (no tensor data is read)
+struct ModelShape {
+    std::string arch;
+    int32_t n_layer = 0;        // main layers
+    int32_t n_blocks = 0;       // main + MTP (nextn) layers
+    int32_t hc = 1;             // residual streams (DeepSeek V4 mHC)
+    int32_t hash_layers = 0;    // leading layers that route experts by token id
+};
+
+ModelShape probe_layers(const std::string & path) {
     gguf_init_params params = {/*.no_alloc =*/ true, /*.ctx =*/ nullptr};
     gguf_context * gguf = gguf_init_from_file(path.c_str(), params);
     if (gguf == nullptr) {
@@ -90,11 +100,19 @@ std::pair<std::string, int32_t> probe_layers(const std::string & path) {
     };
     const int64_t blocks = get_u32(arch + ".block_count");
     const int64_t nextn = std::max<int64_t>(0, get_u32(arch + ".nextn_predict_layers"));
+    const int64_t hc = get_u32(arch + ".hyper_connection.count");
+    const int64_t hash_layers = get_u32(arch + ".hash_layer_count");
     gguf_free(gguf);
-    if (blocks <= 0) {
-        throw ShardError(Status::load_failed, path + ": no " + arch + ".block_count");
+    if (blocks <= 0 || nextn >= blocks) {
+        throw ShardError(Status::load_failed, path + ": no usable " + arch + ".block_count");
     }
-    return {arch, (int32_t) (blocks - nextn)};
+    ModelShape shape;
+    shape.arch = arch;
+    shape.n_layer = (int32_t) (blocks - nextn);
+    shape.n_blocks = (int32_t) blocks;
+    shape.hc = hc > 0 ? (int32_t) hc : 1;
+    shape.hash_layers = (int32_t) std::max<int64_t>(0, hash_layers);
+    return shape;
 }
 
 struct Session {
@@ -114,10 +132,24 @@ public:
         check_gguf_file(options.model_path);
 
         // read the metadata alone first: validate the range and the arch before any weights load
-        const auto [arch, n_layer] = probe_layers(options.model_path);
+        const ModelShape shape = probe_layers(options.model_path);
+        const std::string & arch = shape.arch;
+        const int32_t n_layer = shape.n_layer;
 
+        if (options.load_mtp) {
+            throw ShardError(Status::invalid_argument,
+                             "MTP (nextn) layers are reserved and not loaded in alpha: run without MTP");
+        }
         const int32_t first = options.layer_first;
         const int32_t last = options.layer_last < 0 ? n_layer : options.layer_last;
+        if (first >= 0 && first < last && last > n_layer && last <= shape.n_blocks) {
+            throw ShardError(Status::invalid_range,
+                             "layer range [" + std::to_string(first) + ", " + std::to_string(last) +
+                                 ") reaches into the MTP block (layers " + std::to_string(n_layer) + ".." +
+                                 std::to_string(shape.n_blocks - 1) +
+                                 "): MTP layers are reserved and not loaded in alpha; main layers end at " +
+                                 std::to_string(n_layer));
+        }
         if (first < 0 || first >= last || last > n_layer) {
             throw ShardError(Status::invalid_range,
                              "layer range [" + std::to_string(first) + ", " + std::to_string(last) +
@@ -125,7 +157,7 @@ public:
         }
         if ((first != 0 || last != n_layer) && !range_supported(arch)) {
             throw ShardError(Status::unsupported_arch,
-                             "range ownership is not implemented for arch '" + arch + "' (supported: llama, gemma3)");
+                             "range ownership is not implemented for arch '" + arch + "' (supported: llama, gemma3, deepseek4)");
         }
 
         llama_model_params mparams = llama_model_default_params();
@@ -180,9 +212,11 @@ public:
         desc_.n_batch = options.n_batch;
         desc_.max_sessions = options.max_sessions;
         desc_.is_head = first == 0;
-        desc_.boundary.hc = 1;
+        staged_boundary_ = kStagedBoundaryArchs.count(arch) > 0;
+        desc_.boundary.hc = staged_boundary_ ? shape.hc : 1;
         desc_.boundary.n_embd = llama_model_n_embd(model_);
-        desc_.boundary.needs_token_ids = desc_.is_head;
+        desc_.boundary.needs_token_ids = desc_.is_head || first < shape.hash_layers;
+        desc_.hash_layers = shape.hash_layers;
         desc_.weight_bytes = llama_model_size(model_);
         for (const auto & entry : llama_get_memory_breakdown(ctx_)) {
             desc_.model_buffer_bytes += entry.second.model;
@@ -280,13 +314,11 @@ public:
         if (it == sessions_.end()) {
             throw ShardError(Status::unknown_session, "no session " + std::to_string(session) + " on this shard");
         }
-        llama_memory_seq_rm(llama_get_memory(ctx_), it->second.seq, -1, -1);
-        free_seqs_.push_back(it->second.seq);
-        sessions_.erase(it);
+        drop(session);
     }
 
     ForwardResult forward(const ForwardRequest & req, DType out_dtype) override {
-        const int32_t n_embd = desc_.boundary.n_embd;
+        const int32_t n_embd = desc_.boundary.n_embd * desc_.boundary.hc;  // one residual row
         if (req.n_tokens < 1 || req.n_tokens > options_.n_batch) {
             throw ShardError(Status::invalid_argument, "n_tokens " + std::to_string(req.n_tokens) +
                                                            " outside [1, " + std::to_string(options_.n_batch) + "]");
@@ -300,6 +332,12 @@ public:
         if (!desc_.is_head && req.boundary == nullptr) {
             throw ShardError(Status::invalid_argument, "stage [" + std::to_string(desc_.layer_first) + ", " +
                                                            std::to_string(desc_.layer_last) + ") needs a boundary input");
+        }
+        if (!desc_.is_head && desc_.boundary.needs_token_ids && req.tokens == nullptr) {
+            throw ShardError(Status::invalid_argument,
+                             "stage [" + std::to_string(desc_.layer_first) + ", " + std::to_string(desc_.layer_last) +
+                                 ") owns hash-routed layers (the first " + std::to_string(desc_.hash_layers) +
+                                 " route experts by token id) and needs the token-ID sideband");
         }
         if (req.tokens != nullptr) {
             for (int32_t i = 0; i < req.n_tokens; ++i) {
@@ -317,12 +355,30 @@ public:
                                                    std::to_string(options_.n_ctx));
         }
 
-        llama_batch batch = llama_batch_init(req.n_tokens, desc_.is_head ? 0 : n_embd, 1);
+        // the head and staged-boundary stages carry token ids in the batch (a stage that owns no
+        // hash-routed layer never reads them: zeros when no sideband came); other stages carry the
+        // boundary in batch.embd
+        const bool tokens_in_batch = desc_.is_head || staged_boundary_;
+        llama_batch batch = llama_batch_init(req.n_tokens, tokens_in_batch ? 0 : n_embd, 1);
         batch.n_tokens = req.n_tokens;
-        if (desc_.is_head) {
-            std::memcpy(batch.token, req.tokens, sizeof(int32_t) * req.n_tokens);
-        } else {
-            to_f32(req.boundary, req.boundary_dtype, batch.embd, (int64_t) req.n_tokens * n_embd);
+        if (tokens_in_batch) {
+            if (req.tokens != nullptr) {
+                std::memcpy(batch.token, req.tokens, sizeof(int32_t) * req.n_tokens);
+            } else {
+                std::fill(batch.token, batch.token + req.n_tokens, 0);
+            }
+        }
+        if (!desc_.is_head) {
+            if (staged_boundary_) {
+                staging_.resize((size_t) req.n_tokens * n_embd);
+                to_f32(req.boundary, req.boundary_dtype, staging_.data(), (int64_t) req.n_tokens * n_embd);
+                if (llama_dgr_set_boundary(ctx_, staging_.data(), req.n_tokens, n_embd) != 0) {
+                    llama_batch_free(batch);
+                    throw ShardError(Status::invalid_argument, take_or("boundary rejected"));
+                }
+            } else {
+                to_f32(req.boundary, req.boundary_dtype, batch.embd, (int64_t) req.n_tokens * n_embd);
+            }
         }
         for (int32_t i = 0; i < req.n_tokens; ++i) {
             batch.pos[i] = s.n_past + i;
@@ -333,8 +389,12 @@ public:
         const int32_t rc = llama_decode(ctx_, batch);
         llama_batch_free(batch);
         if (rc != 0) {
-            // keep the cache equal to what the coordinator believes: drop anything half-written
-            llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, s.n_past, -1);
+            // keep the cache equal to what the coordinator believes: drop anything half-written;
+            // a cache that cannot roll back (V4 compressor state) drops the session, whose next
+            // forward then asks for a re-prefill
+            if (!llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, s.n_past, -1)) {
+                drop(req.session);
+            }
             throw ShardError(rc == 1 ? Status::capacity : Status::decode_failed,
                              "llama_decode returned " + std::to_string(rc) + ": " + take_or("no detail"));
         }
@@ -368,6 +428,13 @@ public:
     }
 
 private:
+    void drop(uint64_t session) {
+        auto it = sessions_.find(session);
+        llama_memory_seq_rm(llama_get_memory(ctx_), it->second.seq, -1, -1);
+        free_seqs_.push_back(it->second.seq);
+        sessions_.erase(it);
+    }
+
     Session & admit(const ForwardRequest & req) {
         auto it = sessions_.find(req.session);
         if (it == sessions_.end()) {
@@ -430,6 +497,8 @@ private:
     llama_model * model_ = nullptr;
     llama_context * ctx_ = nullptr;
     ggml_threadpool * threadpool_ = nullptr;
+    bool staged_boundary_ = false;
+    std::vector<float> staging_;
     mutable std::mutex mutex_;
     std::map<uint64_t, Session> sessions_;
     std::vector<llama_seq_id> free_seqs_;

@@ -58,6 +58,7 @@ struct EngineOptions {
     int32_t n_batch = 512;      // most tokens one forward may carry
     int32_t max_sessions = 4;
     int32_t poll = 50;          // threadpool spin level between graphs (0: sleep, 100: spin)
+    bool load_mtp = false;      // MTP (nextn) layers: reserved, refused in alpha
 };
 
 struct BoundarySpec {
@@ -79,6 +80,7 @@ struct Description {
     bool is_head = false;
     bool is_tail = false;
     BoundarySpec boundary;
+    int32_t hash_layers = 0;    // leading layers that route experts by token id (DeepSeek V4)
     uint64_t weight_bytes = 0;  // tensor bytes this shard loaded
     uint64_t model_buffer_bytes = 0;    // buffers holding those weights (llama.cpp's breakdown)
     uint64_t kv_bytes = 0;              // KV cache and other per-layer state of the context
@@ -90,7 +92,8 @@ struct ForwardRequest {
     uint64_t epoch = 0;
     int32_t n_past = 0;                 // cache expectation: tokens already in this session
     int32_t n_tokens = 0;
-    const int32_t * tokens = nullptr;   // head stage: n_tokens ids
+    const int32_t * tokens = nullptr;   // head: n_tokens ids; later stages: the token-ID sideband
+                                        // (required where boundary.needs_token_ids)
     const void * boundary = nullptr;    // other stages: n_tokens * hc * n_embd values
     DType boundary_dtype = DType::f32;
     bool logits_all = false;            // tail: logits for every token (else the last only)
