@@ -21,3 +21,11 @@ def engine_module() -> ModuleType:
     from dgr_native import load
 
     return load()
+
+
+@pytest.fixture(scope="session")
+def quick_twin() -> Path:
+    """The generated DeepSeek V4 quick twin (6 main layers + MTP, hc = 4, 3 hash-routed layers)."""
+    from dgr_native.twins import QUICK, twin_path
+
+    return twin_path(QUICK)

@@ -252,6 +252,7 @@ private:
             fr.boundary = b.payload().data();
             fr.boundary_dtype = dt;
             fr.n_tokens = (int32_t) n;
+            if (n_tok_ids > 0) fr.tokens = tokens.data();  // the sideband for hash-routed layers
         }
         // cache expectation: the prefix hash of the session's tokens, where they travel
         uint64_t before = kFnvOffset;

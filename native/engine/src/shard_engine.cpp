@@ -217,12 +217,13 @@ public:
         desc_.boundary.n_embd = llama_model_n_embd(model_);
         desc_.boundary.needs_token_ids = desc_.is_head || first < shape.hash_layers;
         desc_.hash_layers = shape.hash_layers;
-        desc_.weight_bytes = llama_model_size(model_);
         for (const auto & entry : llama_get_memory_breakdown(ctx_)) {
             desc_.model_buffer_bytes += entry.second.model;
             desc_.kv_bytes += entry.second.context;
             desc_.compute_bytes += entry.second.compute;
         }
+        // llama_model_size counts every tensor in the file; a shard holds only its own
+        desc_.weight_bytes = desc_.model_buffer_bytes;
         for (int32_t s = options.max_sessions - 1; s >= 0; --s) {
             free_seqs_.push_back(s);
         }

@@ -13,7 +13,7 @@ from dgr_prd.metrics import report
 from dgr_artifacts.errors import ArtifactError
 from dgr_artifacts.identity import fingerprint, open_model
 from dgr_artifacts.manifest import DEFAULT_CHUNK, build_manifest, load_manifest, write_manifest
-from dgr_artifacts.models import MODELS, model_path
+from dgr_artifacts.models import model_names, model_path
 from dgr_artifacts.progress import Progress
 from dgr_artifacts.provision import StoragePolicy, provision
 from dgr_artifacts.subset import range_subset
@@ -174,8 +174,10 @@ def register(sub: Any) -> None:
     p.add_argument("manifest")
     p.add_argument("--layers", type=layer_range, required=True, help="first:last (half-open)")
     p.set_defaults(artifacts_func=cmd_subset)
-    p = cmds.add_parser("fetch-model", help="fetch a registered real model from the index")
-    p.add_argument("name", nargs="?", default="smollm2-135m-q4_1", choices=sorted(MODELS))
+    p = cmds.add_parser(
+        "fetch-model", help="fetch a registered real model from the index (or generate a twin)"
+    )
+    p.add_argument("name", nargs="?", default="smollm2-135m-q4_1", choices=model_names())
     p.set_defaults(artifacts_func=cmd_fetch_model)
 
 

@@ -10,7 +10,9 @@ import hashlib
 import os
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TextIO
 
@@ -77,10 +79,30 @@ MODELS = {
     ]
 }
 DEFAULT_MODEL = "smollm2-135m-q4_1"
+GENERATED_GROUP = "dgr.generated_models"
+
+
+def generated_models() -> dict[str, Callable[[], Path]]:
+    """Models other packages generate on this machine (entry points in `dgr.generated_models`
+    return name -> a function giving the generated GGUF's path, e.g. the DeepSeek V4 twins)."""
+    out: dict[str, Callable[[], Path]] = {}
+    for ep in entry_points(group=GENERATED_GROUP):
+        out.update(ep.load()())
+    return out
+
+
+def model_names() -> list[str]:
+    """Every model `model_path` can provide: registered wheels, then generated models."""
+    return sorted(MODELS) + sorted(generated_models())
 
 
 def model_path(name: str = DEFAULT_MODEL, log: TextIO = sys.stderr) -> Path:
-    """The verified GGUF of a registered model, fetched once per machine."""
+    """The verified GGUF of a registered model, fetched (or generated) once per machine."""
+    if name not in MODELS:
+        generated = generated_models()
+        if name not in generated:
+            raise KeyError(f"unknown model {name!r}: known are {', '.join(model_names())}")
+        return generated[name]()
     model = MODELS[name]
     target = cache_dir() / "models" / f"{model.name}.gguf"
     if target.is_file() and target.stat().st_size == model.size:

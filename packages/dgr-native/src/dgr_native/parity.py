@@ -44,16 +44,19 @@ class Chain:
     def __init__(self, model: Path, layout: list[tuple[int, int]], boundary_dtype: str = "f32"):
         engine = load()
         self.engines = [engine.Engine(str(model), a, b, **ENGINE_OPTIONS) for a, b in layout]
+        # the token-ID sideband goes to stages that own a hash-routed layer (DeepSeek V4)
+        self.sideband = [bool(e.describe()["needs_token_ids"]) for e in self.engines]
         self.dtype = boundary_dtype
         self.n_past = 0
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         x: np.ndarray | None = None
-        for e in self.engines:
+        for e, sideband in zip(self.engines, self.sideband, strict=True):
             if x is None:
                 x = e.forward(1, 1, self.n_past, tokens=tokens, out_dtype=self.dtype)
             else:
-                x = e.forward(1, 1, self.n_past, boundary=x, out_dtype=self.dtype)
+                ids = tokens if sideband else None
+                x = e.forward(1, 1, self.n_past, tokens=ids, boundary=x, out_dtype=self.dtype)
         self.n_past += len(tokens)
         assert x is not None
         last: np.ndarray = x[-1]
@@ -81,9 +84,14 @@ class ParityResult:
     boundary_bytes_per_token: int
 
 
-def reference_run(model: Path, n_decode: int) -> tuple[np.ndarray, list[np.ndarray], list[int]]:
+def reference_run(
+    model: Path, n_decode: int, prompt: np.ndarray | None = None
+) -> tuple[np.ndarray, list[np.ndarray], list[int]]:
+    """The whole model's logits for the prompt (default: PROMPT tokenized) and n_decode greedy
+    steps after it, with the greedy tokens."""
     ref = Chain(model, [(0, -1)])
-    prompt = ref.tokenize(PROMPT)
+    if prompt is None:
+        prompt = ref.tokenize(PROMPT)
     logits = [ref.step(prompt)]
     tokens = [int(np.argmax(logits[0]))]
     for _ in range(n_decode):
@@ -168,10 +176,10 @@ def metrics(results: list[ParityResult]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dgr_artifacts.models import MODELS, model_path
+    from dgr_artifacts.models import MODELS, model_names, model_path
 
     parser = argparse.ArgumentParser(prog="python -m dgr_native.parity")
-    parser.add_argument("--model", action="append", choices=sorted(MODELS))
+    parser.add_argument("--model", action="append", choices=model_names())
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 5])
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--dtype", action="append", choices=["f32", "f16", "bf16"])

@@ -19,10 +19,12 @@ the generator saves all blocks as main layers and then turns the last one into t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,7 +65,7 @@ class TwinSpec:
     def compress_ratios(self) -> list[int]:
         """Two SWA-only layers, then CSA (4) and HCA (128) alternating; the MTP layer is SWA."""
         main = [0, 0] + [CSA if i % 2 == 0 else HCA for i in range(2, self.n_layer)]
-        return main + [0]
+        return [*main, 0]
 
     def digest(self) -> str:
         text = json.dumps({"spec": asdict(self), "generator": GENERATOR_VERSION}, sort_keys=True)
@@ -214,7 +216,7 @@ def _with_mtp_block(spec: TwinSpec, raw: Path, out: Path) -> None:
             continue
         vtype = field.types[0]
         if vtype == gguf.GGUFValueType.ARRAY and not field.data:
-            continue  # llama.cpp's saver writes unused per-layer arrays empty; the loader skips them
+            continue  # llama.cpp's saver writes unused per-layer arrays empty; loaders skip them
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
     writer.add_uint32(nextn_key, 1)
@@ -247,6 +249,11 @@ def generate(spec: TwinSpec, out: Path) -> Path:
             os.fsync(f.fileno())
         final.replace(out)
     return out
+
+
+def registry() -> dict[str, Callable[[], Path]]:
+    """The twins as generated models (entry point `dgr.generated_models`)."""
+    return {name: functools.partial(twin_path, name) for name in TWINS}
 
 
 def twin_path(name: str) -> Path:

@@ -34,9 +34,9 @@ class Tokenizer:
 
 
 def model_arg(value: str) -> Path:
-    from dgr_artifacts.models import MODELS, model_path
+    from dgr_artifacts.models import model_names, model_path
 
-    return model_path(value) if value in MODELS else Path(value)
+    return model_path(value) if value in model_names() else Path(value)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

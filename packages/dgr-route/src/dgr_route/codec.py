@@ -134,3 +134,12 @@ def prefix_hash(tokens: Iterable[int], start: int = FNV_OFFSET) -> int:
         for byte in int(token).to_bytes(4, "little", signed=True):
             h = ((h ^ byte) * FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
     return h
+
+
+def decode_logits(msg: pb.Boundary) -> np.ndarray:
+    """The tail's [1, 1, n_vocab] f32 logits (Sampling.want_logits) -> [n_vocab] array."""
+    if len(msg.shape) != 3 or msg.shape[0] != 1 or msg.shape[1] != 1:
+        raise BoundaryError("shape", f"logits must be [1, 1, n_vocab], got {list(msg.shape)}")
+    limits = BoundaryLimits(hc=1, n_embd=msg.shape[2], dtypes=("f32",), max_tokens=1)
+    row: np.ndarray = decode(msg, limits)[0]
+    return row

@@ -12,14 +12,16 @@ from __future__ import annotations
 import contextlib
 import queue
 import secrets
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
 
-from dgr_route.codec import FNV_OFFSET, chunks, prefix_hash
+from dgr_route.codec import FNV_OFFSET, chunks, decode_logits, prefix_hash
 
 COMPAT_FIELDS = (
     "model_fingerprint",
@@ -61,36 +63,66 @@ class Sampling:
     top_k: int = 0
     top_p: float = 0.0
     seed: int = 0
+    want_logits: bool = False  # the tail returns each step's logits with the token
 
     def message(self) -> pb.Sampling:
         return pb.Sampling(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            want_logits=self.want_logits,
         )
 
 
 class _Stream:
-    """One Forward stream: requests go in through a queue, replies come back in order."""
+    """One Forward stream: requests go in through a queue, replies come back in order.
+
+    The stream itself has no deadline (a session may generate for as long as it likes); each
+    reply must come within `timeout` seconds of its request, or the stage is named as stuck.
+    """
 
     def __init__(self, stage: Stage, timeout: float) -> None:
         self.stage = stage
+        self.timeout = timeout
         self.requests: queue.Queue[pb.ForwardRequest | None] = queue.Queue()
-        self.replies = stage.stub.Forward(iter(self.requests.get, None), timeout=timeout)
+        self.call_ = stage.stub.Forward(iter(self.requests.get, None))
+        self.replies: queue.Queue[pb.ForwardReply | BaseException | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for reply in self.call_:
+                self.replies.put(reply)
+            self.replies.put(None)
+        except BaseException as exc:
+            self.replies.put(exc)
 
     def call(self, request: pb.ForwardRequest) -> pb.ForwardReply:
         self.requests.put(request)
         try:
-            reply: pb.ForwardReply = next(self.replies)
-        except grpc.RpcError as exc:
+            reply = self.replies.get(timeout=self.timeout)
+        except queue.Empty:
+            self.call_.cancel()
             raise RouteError(
                 self.stage.index,
                 self.stage.address,
-                f"{exc.code().name}: {exc.details()}",
-                exc.code(),
-            ) from exc
-        except StopIteration:
+                f"no reply within {self.timeout:g} s",
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ) from None
+        if isinstance(reply, grpc.RpcError):
+            raise RouteError(
+                self.stage.index,
+                self.stage.address,
+                f"{reply.code().name}: {reply.details()}",
+                reply.code(),
+            ) from reply
+        if isinstance(reply, BaseException):
+            raise reply
+        if reply is None:
             raise RouteError(
                 self.stage.index, self.stage.address, "the stream ended without a reply"
-            ) from None
+            )
         return reply
 
     def close(self) -> None:
@@ -140,13 +172,29 @@ class Route:
         stop: set[int] | None = None,
     ) -> Iterator[int]:
         """Yield generated token ids; prefill travels in chunks the stages accept."""
+        for result in self.results(prompt, max_tokens, sampling, stop):
+            yield int(result.token_id)
+
+    def trace(self, prompt: list[int], max_tokens: int) -> Iterator[tuple[int, np.ndarray]]:
+        """Greedy generation yielding (token, the tail's f32 logits it was chosen from)."""
+        for result in self.results(prompt, max_tokens, Sampling(want_logits=True)):
+            yield int(result.token_id), decode_logits(result.logits)
+
+    def results(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: Sampling | None = None,
+        stop: set[int] | None = None,
+    ) -> Iterator[pb.TokenResult]:
+        """The tail's result for every generated token (id, logprob, logits when asked)."""
         sampling = sampling or Sampling()
         session = secrets.randbits(63)
         streams = [_Stream(s, self.timeout) for s in self.stages]
         chunk = min(s.describe.max_tokens_per_message for s in self.stages)
         n_past, history = 0, FNV_OFFSET
         try:
-            token = -1
+            token = pb.TokenResult()
             for part in chunks(len(prompt), chunk):
                 tokens = prompt[part]
                 token = self._step(streams, session, tokens, n_past, history, sampling)
@@ -154,10 +202,11 @@ class Route:
                 n_past += len(tokens)
             for _ in range(max_tokens):
                 yield token
-                if stop and token in stop:
+                if stop and token.token_id in stop:
                     return
-                new = self._step(streams, session, [token], n_past, history, sampling)
-                history = prefix_hash([token], history)
+                ids = [int(token.token_id)]
+                new = self._step(streams, session, ids, n_past, history, sampling)
+                history = prefix_hash(ids, history)
                 n_past += 1
                 token = new
         finally:
@@ -175,7 +224,7 @@ class Route:
         n_past: int,
         history: int,
         sampling: Sampling,
-    ) -> int:
+    ) -> pb.TokenResult:
         expect = pb.CacheExpectation(epoch=1, n_past=n_past, prefix_hash=history)
         boundary: pb.Boundary | None = None
         for stream in streams:
@@ -190,7 +239,7 @@ class Route:
                 request.boundary.CopyFrom(boundary)
             reply = stream.call(request)
             if reply.HasField("token"):
-                return int(reply.token.token_id)
+                return reply.token
             boundary = reply.boundary
         raise RouteError(len(streams) - 1, streams[-1].stage.address, "the tail sent no token")
 
