@@ -93,8 +93,27 @@ def native_wheel(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def parity(session: nox.Session) -> None:
-    """Chained in-process engines vs the whole model on the real models (2, 3, 5 stages)."""
-    session.run("python", "-m", "dgr_native.parity", *session.posargs)
+    """Chained in-process engines vs the whole model on the real models (2, 3, 5 stages);
+    `-- --distributed ...`: the harness over generated layouts, in process and over workers."""
+    args = list(session.posargs)
+    if "--distributed" in args:
+        args.remove("--distributed")
+        session.run("python", "-m", "dgr_route.layout_parity", *args)
+    else:
+        session.run("python", "-m", "dgr_native.parity", *args)
+
+
+@nox.session(name="v4-twin", python=False)
+def v4_twin(session: nox.Session) -> None:
+    """Generate the DeepSeek V4 twins and check their bytes against the recorded manifests."""
+    for name in session.posargs or ["dsv4-twin", "dsv4-twin-quick"]:
+        session.run("dgr-native", "twin", name, "--check")
+
+
+@nox.session(name="bench-seams", python=False)
+def bench_seams(session: nox.Session) -> None:
+    """Bytes per token per seam on real 3-stage routes (SmolLM2, the V4 twin; real V4 stated)."""
+    session.run("python", "-m", "dgr_route.bench_seams", *session.posargs)
 
 
 @nox.session(name="bench-memory", python=False)

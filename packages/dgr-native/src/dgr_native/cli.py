@@ -19,9 +19,11 @@ def twin_manifest_path(name: str) -> Path:
 
 
 def cmd_twin(name: str, record: bool, check: bool) -> int:
+    import tempfile
+
     from dgr_artifacts.manifest import build_manifest, load_manifest, write_manifest
 
-    from dgr_native.twins import twin_path
+    from dgr_native.twins import TWINS, generate, twin_path
 
     path = twin_path(name)
     manifest = build_manifest(path)
@@ -33,9 +35,15 @@ def cmd_twin(name: str, record: bool, check: bool) -> int:
         write_manifest(manifest, target)
         print(f"recorded {target}")
     if check:
+        # generate afresh: the cached file proves nothing about determinism
+        with tempfile.TemporaryDirectory() as tmp:
+            fresh = build_manifest(generate(TWINS[name], Path(tmp) / path.name))
         recorded = load_manifest(target)
-        same = recorded.model_dump() == manifest.model_dump()
-        print(f"{'matches' if same else 'DIFFERS FROM'} the recorded manifest {target}")
+        same = recorded.model_dump() == fresh.model_dump() == manifest.model_dump()
+        print(
+            f"a fresh generation {'matches' if same else 'DIFFERS FROM'} the cached file and the "
+            f"recorded manifest {target}"
+        )
         return 0 if same else 1
     return 0
 

@@ -80,8 +80,17 @@ class ParityResult:
     max_abs_diff: float
     nmse: float
     top1_agreement: float
+    top5_overlap: float
     greedy_identical: bool
     boundary_bytes_per_token: int
+
+
+def top_k_overlap(a: np.ndarray, b: np.ndarray, k: int) -> float:
+    """Mean share of each row's top-k ids that two [steps, n_vocab] logit arrays agree on."""
+    top_a = np.argsort(-a, axis=1, kind="stable")[:, :k]
+    top_b = np.argsort(-b, axis=1, kind="stable")[:, :k]
+    shared = [len(set(x) & set(y)) / k for x, y in zip(top_a.tolist(), top_b.tolist(), strict=True)]
+    return float(np.mean(shared))
 
 
 def reference_run(
@@ -123,6 +132,7 @@ def compare(
         max_abs_diff=float(np.max(np.abs(a - b))),
         nmse=float(np.mean((a - b) ** 2) / np.mean(b**2)),
         top1_agreement=top1,
+        top5_overlap=top_k_overlap(a, b, 5),
         greedy_identical=top1 == 1.0,
         boundary_bytes_per_token=chain.boundary_bytes_per_token(),
     )

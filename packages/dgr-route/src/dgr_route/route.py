@@ -130,13 +130,35 @@ class _Stream:
 
 
 @dataclass
+class SeamTraffic:
+    """What crossed the seams into stages after the head: serialized boundary messages and the
+    token ids that ride along (the sideband hash-routed layers read; every stage checks them
+    against its prefix hash). Counted per token per seam."""
+
+    token_seams: int = 0
+    boundary_bytes: int = 0
+    sideband_bytes: int = 0
+
+    def add(self, n_tokens: int, boundary_bytes: int, sideband_bytes: int) -> None:
+        self.token_seams += n_tokens
+        self.boundary_bytes += boundary_bytes
+        self.sideband_bytes += sideband_bytes
+
+    def per_token(self) -> dict[str, float]:
+        n = max(self.token_seams, 1)
+        return {"boundary": self.boundary_bytes / n, "sideband": self.sideband_bytes / n}
+
+
+@dataclass
 class Route:
     stages: list[Stage]
     timeout: float = 60.0
     n_layer: int = field(init=False)
+    wire: SeamTraffic = field(init=False)
 
     def __post_init__(self) -> None:
         self.n_layer = self.stages[0].describe.compatibility.n_layer
+        self.wire = SeamTraffic()
 
     @classmethod
     def open(cls, addresses: list[str], timeout: float = 60.0) -> Route:
@@ -237,6 +259,7 @@ class Route:
             )
             if boundary is not None:
                 request.boundary.CopyFrom(boundary)
+                self.wire.add(len(tokens), boundary.ByteSize(), 4 * len(tokens))
             reply = stream.call(request)
             if reply.HasField("token"):
                 return reply.token

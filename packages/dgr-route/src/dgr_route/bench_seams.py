@@ -1,0 +1,104 @@
+"""`nox -s bench-seams`: what crosses a seam per token, measured on real routes.
+
+For each model a 3-stage route over loopback workers prefills a seeded prompt and decodes; the
+route counts the serialized boundary messages and token ids it relays into stages after the head.
+The residual itself is hc x n_embd values per token; each message adds shape, dtype and checksum
+(the decode figures count one message per token; prefill amortizes it over a chunk).
+For the DeepSeek V4 twin the real model's figure is stated next to it: 4 x 4096 x 2 bytes = 32 KiB
+per token per seam in bf16, plus the token-id sideband. Writes evidence/bench/bench-seams.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import numpy as np
+from dgr_prd.metrics import report
+from dgr_prd.paths import find_root
+
+from dgr_route.layout_parity import REAL_V4, seam_bytes
+from dgr_route.route import Route, SeamTraffic
+from dgr_route.workers import descriptor_args, start_worker
+
+PROMPT_TOKENS = 200
+DECODE_TOKENS = 16
+
+
+def measure(name: str) -> dict[str, Any]:
+    from dgr_artifacts.models import model_path
+    from dgr_native import load
+    from dgr_native.parity import even_layout
+
+    model = model_path(name)
+    whole = load().Engine(str(model), n_ctx=1024).describe()
+    layout = even_layout(int(whole["n_layer"]), 3)
+    descriptor = descriptor_args(model)
+    workers = [start_worker(model, a, b, descriptor=descriptor, n_ctx=1024) for a, b in layout]
+    try:
+        route = Route.open([w.address for w in workers])
+        prompt = np.random.default_rng(0).integers(0, int(whole["n_vocab"]), PROMPT_TOKENS)
+        stream = route.generate([int(t) for t in prompt], DECODE_TOKENS + 1)
+        next(stream)  # the prefill: one message per chunk, not what a decode step costs
+        prefill = route.wire.per_token()
+        route.wire = SeamTraffic()
+        for _ in stream:
+            pass
+        route.close()
+    finally:
+        for w in workers:
+            w.stop()
+    residual = seam_bytes(int(whole["hc"]), int(whole["n_embd"]))
+    measured = route.wire.per_token()
+    return {
+        "layout": layout,
+        "hc": int(whole["hc"]),
+        "n_embd": int(whole["n_embd"]),
+        "residual_bytes_per_token_f32": residual["f32"],
+        "residual_bytes_per_token_bf16": residual["bf16"],
+        "wire_boundary_bytes_per_token_per_seam": round(measured["boundary"], 1),
+        "wire_sideband_bytes_per_token_per_seam": round(measured["sideband"], 1),
+        "prefill_wire_boundary_bytes_per_token_per_seam": round(prefill["boundary"], 1),
+        "token_seams": route.wire.token_seams,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dgr_route.bench_seams")
+    parser.add_argument("--model", action="append")
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {
+        name: measure(name) for name in args.model or ["smollm2-135m-q4_1", "dsv4-twin"]
+    }
+    real = seam_bytes(REAL_V4["hc"], REAL_V4["n_embd"])
+    results["real-deepseek-v4"] = {
+        "hc": REAL_V4["hc"],
+        "n_embd": REAL_V4["n_embd"],
+        "residual_bytes_per_token_f32": real["f32"],
+        "residual_bytes_per_token_bf16": real["bf16"],
+        "sideband_bytes_per_token": real["token_id_sideband"],
+    }
+    print(f"{'model':<22}{'hc x n_embd':>12}{'f32 B':>8}{'bf16 B':>8}{'wire B':>9}{'ids B':>7}")
+    for name, r in results.items():
+        wire = r.get("wire_boundary_bytes_per_token_per_seam", "-")
+        ids = r.get("wire_sideband_bytes_per_token_per_seam", r.get("sideband_bytes_per_token"))
+        shape = f"{r['hc']} x {r['n_embd']}"
+        print(
+            f"{name:<22}{shape:>12}{r['residual_bytes_per_token_f32']:>8}"
+            f"{r['residual_bytes_per_token_bf16']:>8}{wire!s:>9}{ids!s:>7}"
+        )
+    print(
+        f"real DeepSeek V4: {real['bf16']} B = {real['bf16'] // 1024} KiB per token per seam in "
+        f"bf16 ({real['f32'] // 1024} KiB in f32), plus {real['token_id_sideband']} B of token id"
+    )
+    out = find_root().evidence / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-seams.json").write_text(json.dumps(results, indent=2) + "\n")
+    report("bench_seams", results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Parity over generated layouts (stories DGR-059 and, on the V4 twin, DGR-065).
+
+Layouts come from the scenario generator (`dgr_native.scenarios`): per stage count an even
+split, then the model's fragile seams (for DeepSeek V4: inside the hash-routed block, around a
+ratio-128 layer, after the hash block), then a seeded random split. The prompt is seeded random
+token ids, longer than 128 tokens by default so V4's CSA and HCA compressors emit blocks. For
+every layout and model:
+
+- in process: a chain of ShardEngines against the whole model in one engine (same build, same
+  batch shape), f32 boundary (bitwise) and bf16 boundary (NMSE, top-1 and top-5 agreement);
+- over workers (`--workers`): one `dgr-shard-worker` process per stage on loopback and a Route
+  whose tail returns each step's logits; they must equal the reference bit for bit, and the
+  bytes that crossed each seam per token are counted.
+
+`nox -s parity -- --distributed --model dsv4-twin --stages 2 3 4 11 --workers`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from dgr_native.parity import ParityResult, compare, reference_run, top_k_overlap
+from dgr_native.scenarios import ModelStructure, Scenario, generate
+from dgr_prd.metrics import report
+
+from dgr_route.route import Route
+from dgr_route.workers import descriptor_args, start_worker
+
+REAL_V4 = {"hc": 4, "n_embd": 4096}
+DEFAULT_MODELS = ["smollm2-135m-q4_1", "dsv4-twin-quick"]
+
+
+@dataclass
+class WorkerResult:
+    scenario: str
+    layout: list[tuple[int, int]]
+    steps: int
+    bitwise_equal: bool
+    max_abs_diff: float
+    top5_overlap: float
+    greedy_identical: bool
+    seam_bytes_per_token: dict[str, float]
+    seconds: float
+
+
+def structure(model: Path) -> ModelStructure:
+    from dgr_artifacts.identity import open_model
+
+    kv = open_model(model).kv
+    arch = kv["general.architecture"]
+    blocks = int(kv[f"{arch}.block_count"])
+    nextn = int(kv.get(f"{arch}.nextn_predict_layers", 0))
+    return ModelStructure(
+        n_layer=blocks - nextn,
+        hash_layers=int(kv.get(f"{arch}.hash_layer_count", 0)),
+        compress_ratios=tuple(int(r) for r in kv.get(f"{arch}.attention.compress_ratios", [])),
+    )
+
+
+def over_workers(
+    model: Path, scenario: Scenario, prompt: np.ndarray, ref_logits: list[np.ndarray]
+) -> WorkerResult:
+    t0 = time.perf_counter()
+    descriptor = descriptor_args(model)
+    workers = []
+    try:
+        for a, b in scenario.layout:
+            workers.append(start_worker(model, a, b, descriptor=descriptor, n_ctx=1024))
+        route = Route.open([w.address for w in workers])
+        try:
+            trace = list(route.trace([int(t) for t in prompt], len(ref_logits)))
+        finally:
+            route.close()
+    finally:
+        for w in workers:
+            w.stop()
+    got = np.stack([logits for _, logits in trace])
+    want = np.stack(ref_logits)
+    return WorkerResult(
+        scenario=scenario.name,
+        layout=scenario.layout,
+        steps=len(trace),
+        bitwise_equal=bool(np.array_equal(got.view(np.uint32), want.view(np.uint32))),
+        max_abs_diff=float(np.max(np.abs(got - want))),
+        top5_overlap=top_k_overlap(got, want, 5),
+        greedy_identical=[t for t, _ in trace] == [int(np.argmax(x)) for x in ref_logits],
+        seam_bytes_per_token=route.wire.per_token(),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def seam_bytes(hc: int, n_embd: int) -> dict[str, int]:
+    """Residual bytes per token crossing one seam, f32 and bf16, and the token-id sideband."""
+    return {"f32": hc * n_embd * 4, "bf16": hc * n_embd * 2, "token_id_sideband": 4}
+
+
+def certify(
+    name: str,
+    model: Path,
+    stages: list[int],
+    prompt_tokens: int,
+    decode: int,
+    seed: int,
+    workers: bool,
+) -> dict[str, Any]:
+    from dgr_native import load
+
+    shape = structure(model)
+    scenarios = generate(shape, [k for k in stages if k <= shape.n_layer], seed)
+    whole = load().Engine(str(model), n_ctx=1024).describe()
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, int(whole["n_vocab"]), prompt_tokens).astype(np.int32)
+    prompt, ref_logits, ref_tokens = reference_run(model, decode, prompt)
+    print(
+        f"\n{name}: {shape.n_layer} layers, {shape.hash_layers} hash-routed, "
+        f"{len(scenarios)} generated layouts, prompt {len(prompt)} tokens + {decode} decode steps"
+    )
+    print(
+        f"{'layout':<40}{'seams':<22}{'f32':>5}{'bf16 NMSE':>11}{'top1':>6}{'top5':>6}"
+        f"{'workers':>9}{'B/tok/seam':>12}"
+    )
+    in_process: list[tuple[Scenario, ParityResult]] = []
+    over: list[WorkerResult] = []
+    for sc in scenarios:
+        f32 = compare(model, sc.layout, "f32", prompt, ref_logits, ref_tokens)
+        bf16 = compare(model, sc.layout, "bf16", prompt, ref_logits, ref_tokens)
+        in_process += [(sc, f32), (sc, bf16)]
+        w = over_workers(model, sc, prompt, ref_logits) if workers else None
+        if w:
+            over.append(w)
+        wire = w.seam_bytes_per_token["boundary"] + w.seam_bytes_per_token["sideband"] if w else 0
+        print(
+            f"{sc.name:<40}{','.join(map(str, sc.seams)):<22}"
+            f"{'yes' if f32.bitwise_equal else 'NO':>5}{bf16.nmse:>11.2e}"
+            f"{bf16.top1_agreement:>6.2f}{bf16.top5_overlap:>6.2f}"
+            f"{('yes' if w.bitwise_equal else 'NO') if w else '-':>9}"
+            f"{f'{wire:.0f}' if w else '-':>12}",
+            flush=True,
+        )
+    bf16_runs = [r for _, r in in_process if r.boundary_dtype == "bf16"]
+    by_worker = {w.scenario: w for w in over}
+    per_layout: dict[str, dict[str, Any]] = {}
+    for sc, r in in_process:
+        entry = per_layout.setdefault(sc.name, {"seams": ",".join(map(str, sc.seams))})
+        if r.boundary_dtype == "f32":
+            entry["f32_max_abs_logit_diff"] = r.max_abs_diff
+            entry["f32_greedy_identical"] = r.greedy_identical
+        else:
+            entry["bf16_nmse"] = r.nmse
+            entry["bf16_top1"] = r.top1_agreement
+            entry["bf16_top5"] = r.top5_overlap
+        if sc.name in by_worker:
+            entry["workers_max_abs_logit_diff"] = by_worker[sc.name].max_abs_diff
+            entry["workers_greedy_identical"] = by_worker[sc.name].greedy_identical
+    twin = seam_bytes(int(whole["hc"]), int(whole["n_embd"]))
+    metrics: dict[str, Any] = {
+        "n_layer": shape.n_layer,
+        "layouts": len(scenarios),
+        "stage_counts": sorted({len(s.layout) for s in scenarios}),
+        "prompt_tokens": len(prompt),
+        "decode_steps": decode,
+        "in_process_f32_all_bitwise": all(
+            r.bitwise_equal for _, r in in_process if r.boundary_dtype == "f32"
+        ),
+        "in_process_f32_max_abs_logit_diff": max(
+            r.max_abs_diff for _, r in in_process if r.boundary_dtype == "f32"
+        ),
+        "workers_checked": len(over),
+        "workers_all_bitwise": all(w.bitwise_equal and w.greedy_identical for w in over)
+        if over
+        else None,
+        "bf16_nmse_max": max(r.nmse for r in bf16_runs),
+        "bf16_top1_min": min(r.top1_agreement for r in bf16_runs),
+        "bf16_top5_min": min(r.top5_overlap for r in bf16_runs),
+        "residual_bytes_per_token_per_seam": twin,
+        "measured_wire_bytes_per_token_per_seam": over[0].seam_bytes_per_token if over else None,
+        "per_layout": per_layout,
+    }
+    line = (
+        f"seam: {twin['f32']} B/token f32, {twin['bf16']} B/token bf16 "
+        f"(hc {whole['hc']} x n_embd {whole['n_embd']})"
+    )
+    if over:
+        measured = over[0].seam_bytes_per_token
+        line += (
+            f"; on the wire {measured['boundary']:.0f} B boundary message + "
+            f"{measured['sideband']:.0f} B token ids per token per seam"
+        )
+    print(line)
+    if int(whole["hc"]) > 1:
+        real = seam_bytes(REAL_V4["hc"], REAL_V4["n_embd"])
+        print(
+            f"real DeepSeek V4: 4 x 4096 x 2 = {real['bf16']} B = {real['bf16'] // 1024} KiB per "
+            f"token per seam in bf16 ({real['f32'] // 1024} KiB in f32), plus "
+            f"{real['token_id_sideband']} B of token id for stages owning hash-routed layers"
+        )
+        metrics["real_v4_bytes_per_token_per_seam"] = real
+    return {
+        "metrics": metrics,
+        "in_process": [{"scenario": sc.name, **asdict(r)} for sc, r in in_process],
+        "workers": [asdict(w) for w in over],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dgr_artifacts.models import model_names, model_path
+
+    parser = argparse.ArgumentParser(prog="python -m dgr_route.layout_parity")
+    parser.add_argument("--model", action="append", choices=model_names())
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4, 11])
+    parser.add_argument("--prompt-tokens", type=int, default=200)
+    parser.add_argument("--decode", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", action="store_true", help="also run every layout over workers")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+
+    results = {
+        name: certify(
+            name,
+            model_path(name),
+            args.stages,
+            args.prompt_tokens,
+            args.decode,
+            args.seed,
+            args.workers,
+        )
+        for name in (args.model or DEFAULT_MODELS)
+    }
+    report("layout_parity", {name: r["metrics"] for name, r in results.items()})
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    failed = [
+        name
+        for name, r in results.items()
+        if not r["metrics"]["in_process_f32_all_bitwise"]
+        or r["metrics"]["workers_all_bitwise"] is False
+    ]
+    for name in failed:
+        print(f"PARITY FAILED: {name}: an f32 layout differs from the single-process run")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""DeepSeek V4 over real worker processes, on the generated quick twin: logits over the route equal
+the whole model bit for bit, the sideband reaches hash-routed stages, and a wrong boundary or a
+missing sideband is INVALID_ARGUMENT naming what was wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from dgr.v1 import shard_pb2 as pb
+from dgr.v1 import shard_pb2_grpc as pb_grpc
+from dgr_native.parity import reference_run
+from dgr_route.codec import encode
+from dgr_route.route import Route
+from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+
+LAYOUT = [(0, 2), (2, 3), (3, 6)]  # seams inside the hash-routed block and before an HCA layer
+
+
+@pytest.fixture(scope="module")
+def fleet(quick_twin: Path) -> Iterator[list[WorkerProcess]]:
+    descriptor = descriptor_args(quick_twin)
+    workers = [start_worker(quick_twin, a, b, descriptor=descriptor, n_ctx=512) for a, b in LAYOUT]
+    yield workers
+    for w in workers:
+        w.stop()
+
+
+def forward_once(worker: WorkerProcess, request: pb.ForwardRequest) -> pb.ForwardReply:
+    stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(worker.address))
+    reply: pb.ForwardReply = next(stub.Forward(iter([request]), timeout=30))
+    return reply
+
+
+def test_route_logits_equal_the_whole_model(quick_twin: Path, fleet: list[WorkerProcess]) -> None:
+    prompt = np.random.default_rng(5).integers(0, 1024, 160).astype(np.int32)
+    _, ref_logits, ref_tokens = reference_run(quick_twin, 6, prompt)
+    route = Route.open([w.address for w in fleet])
+    try:
+        assert [s.describe.boundary.hc for s in route.stages] == [4, 4, 4]
+        assert [s.describe.boundary.needs_token_ids for s in route.stages] == [True, True, False]
+        trace = list(route.trace([int(t) for t in prompt], len(ref_logits)))
+    finally:
+        route.close()
+    got = np.stack([logits for _, logits in trace])
+    assert np.array_equal(got.view(np.uint32), np.stack(ref_logits).view(np.uint32))
+    assert [t for t, _ in trace] == ref_tokens
+    per_token = route.wire.per_token()
+    assert per_token["sideband"] == 4 and per_token["boundary"] > 4 * 64 * 4
+
+
+def test_bad_v4_boundaries_are_invalid_argument(fleet: list[WorkerProcess]) -> None:
+    middle = fleet[1]  # owns hash-routed layer 2
+    good = encode(np.zeros((3, 256), np.float32), "f32", hc=4)
+    wrong_hc = encode(np.zeros((3, 256), np.float32), "f32", hc=1)
+    cases = [
+        (
+            pb.ForwardRequest(session_id=5, expect=pb.CacheExpectation(epoch=1), boundary=wrong_hc),
+            "does not match this stage's [n_tokens, 4, 64]",
+        ),
+        (
+            pb.ForwardRequest(session_id=5, expect=pb.CacheExpectation(epoch=1), boundary=good),
+            "token-ID sideband",
+        ),
+    ]
+    for request, needle in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            forward_once(middle, request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in (info.value.details() or "")
+    ok = pb.ForwardRequest(
+        session_id=6, expect=pb.CacheExpectation(epoch=1), boundary=good, token_ids=[1, 2, 3]
+    )
+    assert list(forward_once(middle, ok).boundary.shape) == [3, 4, 64]
