@@ -123,7 +123,7 @@ def certify(
         f"{len(scenarios)} generated layouts, prompt {len(prompt)} tokens + {decode} decode steps"
     )
     print(
-        f"{'layout':<40}{'seams':<22}{'f32':>5}{'bf16 NMSE':>11}{'top1':>6}{'top5':>6}"
+        f"{'layout':<40}{'seams':<32}{'f32':>5}{'bf16 NMSE':>11}{'top1':>6}{'top5':>6}"
         f"{'workers':>9}{'B/tok/seam':>12}"
     )
     in_process: list[tuple[Scenario, ParityResult]] = []
@@ -137,7 +137,7 @@ def certify(
             over.append(w)
         wire = w.seam_bytes_per_token["boundary"] + w.seam_bytes_per_token["sideband"] if w else 0
         print(
-            f"{sc.name:<40}{','.join(map(str, sc.seams)):<22}"
+            f"{sc.name:<40}{','.join(map(str, sc.seams)):<32}"
             f"{'yes' if f32.bitwise_equal else 'NO':>5}{bf16.nmse:>11.2e}"
             f"{bf16.top1_agreement:>6.2f}{bf16.top5_overlap:>6.2f}"
             f"{('yes' if w.bitwise_equal else 'NO') if w else '-':>9}"
