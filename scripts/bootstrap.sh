@@ -23,7 +23,9 @@ fi
 
 if ! python3 -m uv --version >/dev/null 2>&1; then
   echo "bootstrap: installing uv from PyPI"
-  python3 -m pip install -q --disable-pip-version-check "uv>=0.5"
+  # Debian's own python3 refuses user installs into it (PEP 668); uv is a standalone tool
+  python3 -m pip install -q --disable-pip-version-check "uv>=0.5" 2>/dev/null ||
+    python3 -m pip install -q --disable-pip-version-check --break-system-packages "uv>=0.5"
 fi
 cd "$here"
 python3 -m uv sync --locked --all-packages --quiet

@@ -75,3 +75,16 @@ def test_bad_v4_boundaries_are_invalid_argument(fleet: list[WorkerProcess]) -> N
         session_id=6, expect=pb.CacheExpectation(epoch=1), boundary=good, token_ids=[1, 2, 3]
     )
     assert list(forward_once(middle, ok).boundary.shape) == [3, 4, 64]
+
+
+def test_the_demo_runs_the_quick_twin(quick_twin: Path) -> None:
+    import subprocess
+
+    run = subprocess.run(
+        ["dgr", "demo", "--model", "dsv4-twin-quick", "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "8 greedy tokens identical" in run.stdout

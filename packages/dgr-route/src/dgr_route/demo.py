@@ -16,10 +16,15 @@ from dgr_route.workers import descriptor_args, start_worker
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from dgr_artifacts.models import model_path
+    from dgr_artifacts.models import MODELS, model_path
     from dgr_native.parity import Chain, even_layout
 
     model = model_path(args.model)
+    if args.model not in MODELS:
+        print(
+            f"{args.model} is a generated twin with random weights: its text means nothing, the "
+            "parity with the single-process run is the point"
+        )
     tokenizer = Tokenizer(model)
     whole = Chain(model, [(0, -1)])
     n_layer = int(whole.engines[0].describe()["n_layer"])
