@@ -144,3 +144,32 @@ def test_a_new_epoch_starts_v4_state_from_scratch(
         tail.forward(7, 1, 0, boundary=head.forward(8, 1, 0, tokens=ids))
     assert info.value.status == "cache_mismatch"
     assert np.array_equal(run(2).view(np.uint32), first.view(np.uint32))
+
+
+def test_v4_state_is_kept_per_session(engine_module: ModuleType, quick_twin: Path) -> None:
+    path = str(quick_twin)
+
+    def chain() -> list[object]:
+        return [engine_module.Engine(path, 0, 2, **OPTS), engine_module.Engine(path, 2, 6, **OPTS)]
+
+    def step(engines: list[object], session: int, n_past: int, ids: np.ndarray) -> np.ndarray:
+        head, tail = engines
+        x = head.forward(session, 1, n_past, tokens=ids)  # type: ignore[attr-defined]
+        out: np.ndarray = tail.forward(session, 1, n_past, tokens=ids, boundary=x)  # type: ignore[attr-defined]
+        return out[-1].copy()
+
+    prompts = {1: prompt(140, seed=11), 2: prompt(170, seed=12)}
+    alone = {}
+    for session, ids in prompts.items():
+        engines = chain()
+        alone[session] = [step(engines, session, 0, ids)]
+        alone[session].append(step(engines, session, len(ids), ids[:1]))
+    shared = chain()
+    together: dict[int, list[np.ndarray]] = {
+        s: [step(shared, s, 0, ids)] for s, ids in prompts.items()
+    }
+    for session, ids in prompts.items():
+        together[session].append(step(shared, session, len(ids), ids[:1]))
+    for session in prompts:
+        a, b = np.stack(alone[session]), np.stack(together[session])
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))

@@ -25,7 +25,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import gguf
@@ -72,53 +72,31 @@ class TwinSpec:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-TWINS = {
-    t.name: t
-    for t in [
-        TwinSpec(
-            name="dsv4-twin",
-            n_layer=43,
-            n_embd=64,
-            n_head=2,
-            head_dim=64,
-            q_lora_rank=32,
-            o_groups=2,
-            o_lora_rank=16,
-            n_expert=256,
-            n_expert_used=6,
-            n_ff_exp=32,
-            hash_layers=3,
-            n_vocab=4096,
-            sliding_window=16,
-            indexer_heads=4,
-            indexer_head_dim=64,
-            indexer_top_k=8,
-            seed=20261130,
-        ),
-        TwinSpec(
-            name="dsv4-twin-quick",
-            n_layer=6,
-            n_embd=64,
-            n_head=2,
-            head_dim=64,
-            q_lora_rank=32,
-            o_groups=2,
-            o_lora_rank=16,
-            n_expert=16,
-            n_expert_used=6,
-            n_ff_exp=32,
-            hash_layers=3,
-            n_vocab=1024,
-            sliding_window=16,
-            indexer_heads=4,
-            indexer_head_dim=64,
-            indexer_top_k=8,
-            seed=20261130,
-        ),
-    ]
-}
-QUICK = "dsv4-twin-quick"
-FULL = "dsv4-twin"
+_FULL_SPEC = TwinSpec(
+    name="dsv4-twin",
+    n_layer=43,
+    n_embd=64,
+    n_head=2,
+    head_dim=64,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=16,
+    n_expert=256,
+    n_expert_used=6,
+    n_ff_exp=32,
+    hash_layers=3,
+    n_vocab=4096,
+    sliding_window=16,
+    indexer_heads=4,
+    indexer_head_dim=64,
+    indexer_top_k=8,
+    seed=20261130,
+)
+# the same parts at test size: fewer layers, experts and tokens
+_QUICK_SPEC = replace(_FULL_SPEC, name="dsv4-twin-quick", n_layer=6, n_expert=16, n_vocab=1024)
+TWINS = {t.name: t for t in (_FULL_SPEC, _QUICK_SPEC)}
+QUICK = _QUICK_SPEC.name
+FULL = _FULL_SPEC.name
 
 
 def metadata(spec: TwinSpec) -> dict[str, object]:
