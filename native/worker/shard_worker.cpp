@@ -206,6 +206,10 @@ private:
     Status handle(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply) {
         const auto & exp = req.expect();
         const int n_tok_ids = req.token_ids_size();
+        if (req.boundary_dtype() < dgr::v1::DTYPE_UNSPECIFIED || req.boundary_dtype() > dgr::v1::DTYPE_BF16) {
+            return Status(StatusCode::INVALID_ARGUMENT,
+                          "boundary_dtype: unknown dtype " + std::to_string(req.boundary_dtype()));
+        }
         dgr::ForwardRequest fr;
         fr.session = req.session_id();
         fr.epoch = exp.epoch();
@@ -310,9 +314,14 @@ private:
     }
 
     static dgr::DType out_dtype(const dgr::v1::ForwardRequest & req, dgr::DType fallback) {
-        // the head has no input boundary: it answers in f32 unless the coordinator later asks
-        // otherwise; later stages answer in the dtype they were sent
-        return req.has_boundary() ? fallback : dgr::DType::f32;
+        // the coordinator's choice; else the head answers in f32 and later stages in the dtype
+        // they were sent
+        switch (req.boundary_dtype()) {
+            case dgr::v1::DTYPE_F32: return dgr::DType::f32;
+            case dgr::v1::DTYPE_F16: return dgr::DType::f16;
+            case dgr::v1::DTYPE_BF16: return dgr::DType::bf16;
+            default: return req.has_boundary() ? fallback : dgr::DType::f32;
+        }
     }
 
     std::unique_ptr<dgr::ShardEngine> engine_;

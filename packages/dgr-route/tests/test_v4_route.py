@@ -88,3 +88,27 @@ def test_the_demo_runs_the_quick_twin(quick_twin: Path) -> None:
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "8 greedy tokens identical" in run.stdout
+
+
+def test_a_bf16_wire_equals_the_same_rounding_in_one_process(
+    quick_twin: Path, fleet: list[WorkerProcess]
+) -> None:
+    from dgr_route.layout_parity import free_run
+
+    prompt = np.random.default_rng(9).integers(0, 1024, 140).astype(np.int32)
+    want = free_run(quick_twin, LAYOUT, "bf16", prompt, 5)
+    route = Route.open([w.address for w in fleet], wire_dtype="bf16")
+    try:
+        trace = list(route.trace([int(t) for t in prompt], 5))
+    finally:
+        route.close()
+    got = np.stack([logits for _, logits in trace])
+    assert np.array_equal(got.view(np.uint32), np.stack(want).view(np.uint32))
+    assert route.wire.per_token()["boundary"] < 2 * 64 * 4 + 64  # bf16 rows, not f32
+    with pytest.raises(ValueError, match="wire dtype"):
+        Route.open([w.address for w in fleet], wire_dtype="f8")
+    bad = pb.ForwardRequest(session_id=3, token_ids=[1], boundary_dtype=9)  # type: ignore[arg-type]
+    with pytest.raises(grpc.RpcError) as info:
+        forward_once(fleet[0], bad)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "boundary_dtype" in (info.value.details() or "")

@@ -27,6 +27,19 @@ PROMPT_TOKENS = 200
 DECODE_TOKENS = 16
 
 
+def decode_traffic(addresses: list[str], wire_dtype: str, n_vocab: int) -> tuple[SeamTraffic, ...]:
+    """(prefill, decode) traffic of one generation over the route with this wire dtype."""
+    route = Route.open(addresses, wire_dtype=wire_dtype)
+    prompt = np.random.default_rng(0).integers(0, n_vocab, PROMPT_TOKENS)
+    stream = route.generate([int(t) for t in prompt], DECODE_TOKENS + 1)
+    next(stream)  # the prefill: one message per chunk, not what a decode step costs
+    prefill, route.wire = route.wire, SeamTraffic()
+    for _ in stream:
+        pass
+    route.close()
+    return prefill, route.wire
+
+
 def measure(name: str) -> dict[str, Any]:
     from dgr_artifacts.models import model_path
     from dgr_native import load
@@ -38,31 +51,32 @@ def measure(name: str) -> dict[str, Any]:
     descriptor = descriptor_args(model)
     workers = [start_worker(model, a, b, descriptor=descriptor, n_ctx=1024) for a, b in layout]
     try:
-        route = Route.open([w.address for w in workers])
-        prompt = np.random.default_rng(0).integers(0, int(whole["n_vocab"]), PROMPT_TOKENS)
-        stream = route.generate([int(t) for t in prompt], DECODE_TOKENS + 1)
-        next(stream)  # the prefill: one message per chunk, not what a decode step costs
-        prefill = route.wire.per_token()
-        route.wire = SeamTraffic()
-        for _ in stream:
-            pass
-        route.close()
+        addresses = [w.address for w in workers]
+        traffic = {
+            dt: decode_traffic(addresses, dt, int(whole["n_vocab"])) for dt in ("f32", "bf16")
+        }
     finally:
         for w in workers:
             w.stop()
     residual = seam_bytes(int(whole["hc"]), int(whole["n_embd"]))
-    measured = route.wire.per_token()
-    return {
+    out: dict[str, Any] = {
         "layout": layout,
         "hc": int(whole["hc"]),
         "n_embd": int(whole["n_embd"]),
         "residual_bytes_per_token_f32": residual["f32"],
         "residual_bytes_per_token_bf16": residual["bf16"],
-        "wire_boundary_bytes_per_token_per_seam": round(measured["boundary"], 1),
-        "wire_sideband_bytes_per_token_per_seam": round(measured["sideband"], 1),
-        "prefill_wire_boundary_bytes_per_token_per_seam": round(prefill["boundary"], 1),
-        "token_seams": route.wire.token_seams,
     }
+    for dt, (prefill, decode) in traffic.items():
+        out[f"wire_{dt}_boundary_bytes_per_token_per_seam"] = round(
+            decode.per_token()["boundary"], 1
+        )
+        out[f"wire_{dt}_prefill_boundary_bytes_per_token_per_seam"] = round(
+            prefill.per_token()["boundary"], 1
+        )
+    out["wire_sideband_bytes_per_token_per_seam"] = round(
+        traffic["f32"][1].per_token()["sideband"], 1
+    )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,14 +94,18 @@ def main(argv: list[str] | None = None) -> int:
         "residual_bytes_per_token_bf16": real["bf16"],
         "sideband_bytes_per_token": real["token_id_sideband"],
     }
-    print(f"{'model':<22}{'hc x n_embd':>12}{'f32 B':>8}{'bf16 B':>8}{'wire B':>9}{'ids B':>7}")
+    print(
+        f"{'model':<22}{'hc x n_embd':>12}{'f32 B':>8}{'bf16 B':>8}"
+        f"{'wire f32':>10}{'wire bf16':>11}{'ids B':>7}"
+    )
     for name, r in results.items():
-        wire = r.get("wire_boundary_bytes_per_token_per_seam", "-")
+        wire32 = r.get("wire_f32_boundary_bytes_per_token_per_seam", "-")
+        wire16 = r.get("wire_bf16_boundary_bytes_per_token_per_seam", "-")
         ids = r.get("wire_sideband_bytes_per_token_per_seam", r.get("sideband_bytes_per_token"))
         shape = f"{r['hc']} x {r['n_embd']}"
         print(
             f"{name:<22}{shape:>12}{r['residual_bytes_per_token_f32']:>8}"
-            f"{r['residual_bytes_per_token_bf16']:>8}{wire!s:>9}{ids!s:>7}"
+            f"{r['residual_bytes_per_token_bf16']:>8}{wire32!s:>10}{wire16!s:>11}{ids!s:>7}"
         )
     print(
         f"real DeepSeek V4: {real['bf16']} B = {real['bf16'] // 1024} KiB per token per seam in "

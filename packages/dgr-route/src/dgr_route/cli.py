@@ -67,7 +67,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer(model_arg(args.model))
     try:
-        route = Route.open(args.route.split(","), timeout=args.timeout)
+        route = Route.open(args.route.split(","), timeout=args.timeout, wire_dtype=args.wire_dtype)
     except RouteError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -103,7 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model = model_arg(args.model)
     try:
-        route = Route.open(args.route.split(","), timeout=args.timeout)
+        route = Route.open(args.route.split(","), timeout=args.timeout, wire_dtype=args.wire_dtype)
     except RouteError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -119,7 +119,13 @@ def register_serve(sub: Any) -> None:
     p.add_argument("--model-name", help="the id /v1/models reports")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a stage may take per step")
+    p.add_argument(
+        "--wire-dtype",
+        choices=["f32", "f16", "bf16"],
+        default="f32",
+        help="the residual on the wire (f32: bitwise equal to one process; bf16 halves the bytes)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -144,5 +150,11 @@ def register_generate(sub: Any) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a stage may take per step")
+    p.add_argument(
+        "--wire-dtype",
+        choices=["f32", "f16", "bf16"],
+        default="f32",
+        help="the residual on the wire (f32: bitwise equal to one process; bf16 halves the bytes)",
+    )
     p.set_defaults(func=cmd_generate)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dgr_native.parity import ParityResult, compare, reference_run, top_k_overlap
+from dgr_native.parity import Chain, ParityResult, compare, reference_run, top_k_overlap
 from dgr_native.scenarios import ModelStructure, Scenario, generate
 from dgr_prd.metrics import report
 
@@ -40,6 +40,7 @@ DEFAULT_MODELS = ["smollm2-135m-q4_1", "dsv4-twin-quick"]
 @dataclass
 class WorkerResult:
     scenario: str
+    wire_dtype: str
     layout: list[tuple[int, int]]
     steps: int
     bitwise_equal: bool
@@ -64,16 +65,34 @@ def structure(model: Path) -> ModelStructure:
     )
 
 
+def free_run(
+    model: Path, layout: list[tuple[int, int]], dtype: str, prompt: np.ndarray, steps: int
+) -> list[np.ndarray]:
+    """A chain in one process generating greedily from its own logits (what a route does)."""
+    chain = Chain(model, layout, dtype)
+    logits = [chain.step(prompt).copy()]
+    while len(logits) < steps:
+        token = np.array([int(np.argmax(logits[-1]))], dtype=np.int32)
+        logits.append(chain.step(token).copy())
+    return logits
+
+
 def over_workers(
-    model: Path, scenario: Scenario, prompt: np.ndarray, ref_logits: list[np.ndarray]
+    model: Path,
+    scenario: Scenario,
+    prompt: np.ndarray,
+    ref_logits: list[np.ndarray],
+    wire_dtype: str = "f32",
 ) -> WorkerResult:
+    """The route's logits against `ref_logits`: the single-process run for an f32 wire, the same
+    layout in one process with the same rounding for f16/bf16."""
     t0 = time.perf_counter()
     descriptor = descriptor_args(model)
     workers = []
     try:
         for a, b in scenario.layout:
             workers.append(start_worker(model, a, b, descriptor=descriptor, n_ctx=1024))
-        route = Route.open([w.address for w in workers])
+        route = Route.open([w.address for w in workers], wire_dtype=wire_dtype)
         try:
             trace = list(route.trace([int(t) for t in prompt], len(ref_logits)))
         finally:
@@ -85,6 +104,7 @@ def over_workers(
     want = np.stack(ref_logits)
     return WorkerResult(
         scenario=scenario.name,
+        wire_dtype=wire_dtype,
         layout=scenario.layout,
         steps=len(trace),
         bitwise_equal=bool(np.array_equal(got.view(np.uint32), want.view(np.uint32))),
@@ -124,7 +144,7 @@ def certify(
     )
     print(
         f"{'layout':<40}{'seams':<32}{'f32':>5}{'bf16 NMSE':>11}{'top1':>6}{'top5':>6}"
-        f"{'workers':>9}{'B/tok/seam':>12}"
+        f"{'workers':>9}{'bf16 wire':>10}{'B/tok/seam':>12}"
     )
     in_process: list[tuple[Scenario, ParityResult]] = []
     over: list[WorkerResult] = []
@@ -135,17 +155,21 @@ def certify(
         w = over_workers(model, sc, prompt, ref_logits) if workers else None
         if w:
             over.append(w)
+            bf16_ref = free_run(model, sc.layout, "bf16", prompt, len(ref_logits))
+            over.append(over_workers(model, sc, prompt, bf16_ref, "bf16"))
         wire = w.seam_bytes_per_token["boundary"] + w.seam_bytes_per_token["sideband"] if w else 0
         print(
             f"{sc.name:<40}{','.join(map(str, sc.seams)):<32}"
             f"{'yes' if f32.bitwise_equal else 'NO':>5}{bf16.nmse:>11.2e}"
             f"{bf16.top1_agreement:>6.2f}{bf16.top5_overlap:>6.2f}"
             f"{('yes' if w.bitwise_equal else 'NO') if w else '-':>9}"
+            f"{('yes' if over[-1].bitwise_equal else 'NO') if w else '-':>10}"
             f"{f'{wire:.0f}' if w else '-':>12}",
             flush=True,
         )
     bf16_runs = [r for _, r in in_process if r.boundary_dtype == "bf16"]
-    by_worker = {w.scenario: w for w in over}
+    by_worker = {w.scenario: w for w in over if w.wire_dtype == "f32"}
+    by_worker_bf16 = {w.scenario: w for w in over if w.wire_dtype == "bf16"}
     per_layout: dict[str, dict[str, Any]] = {}
     for sc, r in in_process:
         entry = per_layout.setdefault(sc.name, {"seams": ",".join(map(str, sc.seams))})
@@ -159,6 +183,8 @@ def certify(
         if sc.name in by_worker:
             entry["workers_max_abs_logit_diff"] = by_worker[sc.name].max_abs_diff
             entry["workers_greedy_identical"] = by_worker[sc.name].greedy_identical
+        if sc.name in by_worker_bf16:
+            entry["workers_bf16_equal_in_process_bf16"] = by_worker_bf16[sc.name].bitwise_equal
     twin = seam_bytes(int(whole["hc"]), int(whole["n_embd"]))
     metrics: dict[str, Any] = {
         "n_layer": shape.n_layer,
@@ -181,6 +207,9 @@ def certify(
         "bf16_top5_min": min(r.top5_overlap for r in bf16_runs),
         "residual_bytes_per_token_per_seam": twin,
         "measured_wire_bytes_per_token_per_seam": over[0].seam_bytes_per_token if over else None,
+        "measured_wire_bytes_per_token_per_seam_bf16": over[1].seam_bytes_per_token
+        if over
+        else None,
         "per_layout": per_layout,
     }
     line = (
@@ -188,10 +217,10 @@ def certify(
         f"(hc {whole['hc']} x n_embd {whole['n_embd']})"
     )
     if over:
-        measured = over[0].seam_bytes_per_token
+        f32_wire, bf16_wire = over[0].seam_bytes_per_token, over[1].seam_bytes_per_token
         line += (
-            f"; on the wire {measured['boundary']:.0f} B boundary message + "
-            f"{measured['sideband']:.0f} B token ids per token per seam"
+            f"; on the wire {f32_wire['boundary']:.0f} B (f32) or {bf16_wire['boundary']:.0f} B "
+            f"(bf16) boundary message + {f32_wire['sideband']:.0f} B token ids per token per seam"
         )
     print(line)
     if int(whole["hc"]) > 1:

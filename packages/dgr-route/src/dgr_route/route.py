@@ -21,7 +21,7 @@ import numpy as np
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
 
-from dgr_route.codec import FNV_OFFSET, chunks, decode_logits, prefix_hash
+from dgr_route.codec import BY_NAME, FNV_OFFSET, chunks, decode_logits, prefix_hash
 
 COMPAT_FIELDS = (
     "model_fingerprint",
@@ -153,15 +153,20 @@ class SeamTraffic:
 class Route:
     stages: list[Stage]
     timeout: float = 60.0
+    wire_dtype: str = "f32"  # the residual's dtype on the wire: f32 (bitwise parity), f16, bf16
     n_layer: int = field(init=False)
     wire: SeamTraffic = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.wire_dtype not in BY_NAME:
+            raise ValueError(f"wire dtype {self.wire_dtype!r} is not one of {', '.join(BY_NAME)}")
         self.n_layer = self.stages[0].describe.compatibility.n_layer
         self.wire = SeamTraffic()
 
     @classmethod
-    def open(cls, addresses: list[str], timeout: float = 60.0) -> Route:
+    def open(cls, addresses: list[str], timeout: float = 60.0, wire_dtype: str = "f32") -> Route:
+        if wire_dtype not in BY_NAME:
+            raise ValueError(f"wire dtype {wire_dtype!r} is not one of {', '.join(BY_NAME)}")
         stages = []
         for i, address in enumerate(addresses):
             channel = grpc.insecure_channel(
@@ -180,7 +185,12 @@ class Route:
                 ) from exc
             stages.append(Stage(i, address, channel, stub, describe))
         check_route(stages)
-        return cls(stages, timeout)
+        for stage in stages[1:]:
+            if BY_NAME.get(wire_dtype) not in stage.describe.boundary.dtypes:
+                raise RouteError(
+                    stage.index, stage.address, f"does not accept a {wire_dtype} boundary"
+                )
+        return cls(stages, timeout, wire_dtype)
 
     def close(self) -> None:
         for stage in self.stages:
@@ -251,6 +261,7 @@ class Route:
         boundary: pb.Boundary | None = None
         for stream in streams:
             request = pb.ForwardRequest(
+                boundary_dtype=f"DTYPE_{self.wire_dtype.upper()}",
                 session_id=session,
                 expect=expect,
                 token_ids=tokens,

@@ -109,7 +109,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., want_logits: _Optional[bool] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "expect", "positions", "token_ids", "boundary", "chunk_index", "last_chunk", "sampling")
+    __slots__ = ("session_id", "expect", "positions", "token_ids", "boundary", "chunk_index", "last_chunk", "sampling", "boundary_dtype")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECT_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class ForwardRequest(_message.Message):
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAST_CHUNK_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     expect: CacheExpectation
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -126,7 +127,8 @@ class ForwardRequest(_message.Message):
     chunk_index: int
     last_chunk: bool
     sampling: Sampling
-    def __init__(self, session_id: _Optional[int] = ..., expect: _Optional[_Union[CacheExpectation, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., chunk_index: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    boundary_dtype: DType
+    def __init__(self, session_id: _Optional[int] = ..., expect: _Optional[_Union[CacheExpectation, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., chunk_index: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., boundary_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class TokenResult(_message.Message):
     __slots__ = ("token_id", "logprob", "logits")
