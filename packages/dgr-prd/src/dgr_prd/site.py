@@ -65,11 +65,17 @@ def _numeric_metrics(record: EvidenceRecord) -> list[tuple[str, float]]:
     ]
 
 
+PLOT_MAX_BARS = 40
+
+
 def _metrics_plot(record: EvidenceRecord, out: Path) -> bool:
-    values = _numeric_metrics(record)
+    # per-layout detail belongs in the table; a plot of hundreds of bars says nothing
+    values = [(k, v) for k, v in _numeric_metrics(record) if ".per_layout." not in f".{k}."]
+    values = values[:PLOT_MAX_BARS]
     if not values:
         return False
-    fig, ax = plt.subplots(figsize=(8, 0.4 * len(values) + 1.2))
+    label = max(len(k) for k, _ in values)
+    fig, ax = plt.subplots(figsize=(6 + 0.08 * label, 0.4 * len(values) + 1.2))
     ax.barh([k for k, _ in values], [v for _, v in values], color="#1565c0")
     ax.invert_yaxis()
     ax.set_title(f"Metrics of run {record.run_id}")
