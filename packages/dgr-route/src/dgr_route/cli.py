@@ -112,13 +112,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def register_serve(sub: Any) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API over a route")
+def add_route_options(p: argparse.ArgumentParser) -> None:
+    """--route, --timeout and --wire-dtype: how a client reaches and drives a route."""
     p.add_argument("--route", required=True, help="host:port,host:port,... in layer order")
-    p.add_argument("--model", default="smollm2-135m-q4_1", help="for the tokenizer and template")
-    p.add_argument("--model-name", help="the id /v1/models reports")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a stage may take per step")
     p.add_argument(
         "--wire-dtype",
@@ -126,6 +122,15 @@ def register_serve(sub: Any) -> None:
         default="f32",
         help="the residual on the wire (f32: bitwise equal to one process; bf16 halves the bytes)",
     )
+
+
+def register_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API over a route")
+    add_route_options(p)
+    p.add_argument("--model", default="smollm2-135m-q4_1", help="for the tokenizer and template")
+    p.add_argument("--model-name", help="the id /v1/models reports")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
     p.set_defaults(func=cmd_serve)
 
 
@@ -143,18 +148,11 @@ def register_worker(sub: Any) -> None:
 def register_generate(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate through a route of running workers")
     p.add_argument("prompt")
-    p.add_argument("--route", required=True, help="host:port,host:port,... in layer order")
+    add_route_options(p)
     p.add_argument("--model", default="smollm2-135m-q4_1", help="for the tokenizer")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds a stage may take per step")
-    p.add_argument(
-        "--wire-dtype",
-        choices=["f32", "f16", "bf16"],
-        default="f32",
-        help="the residual on the wire (f32: bitwise equal to one process; bf16 halves the bytes)",
-    )
     p.set_defaults(func=cmd_generate)
