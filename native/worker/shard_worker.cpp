@@ -37,6 +37,7 @@ struct Args {
     uint64_t max_message_bytes = 64ull << 20;
     int drain_seconds = 10;
     int poll = 50;  // ggml threadpool spin level between graphs (0 sleeps, 100 spins)
+    bool mtp = false;  // serve MTP (nextn) layers: reserved, the engine refuses it in alpha
 };
 
 std::atomic<bool> g_stop{false};
@@ -358,6 +359,7 @@ bool parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--patch-stack") a.patch_hash = val();
         else if (k == "--drain-seconds") a.drain_seconds = std::stoi(val());
         else if (k == "--poll") a.poll = std::stoi(val());
+        else if (k == "--mtp") a.mtp = true;
         else throw std::invalid_argument("unknown option " + k);
     }
     if (a.model.empty()) throw std::invalid_argument("--model is required");
@@ -375,7 +377,7 @@ int main(int argc, char ** argv) {
                   << "usage: dgr-shard-worker --model PATH --layers FIRST:LAST [--listen HOST:PORT] [--threads N]\n"
                      "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--lane cpu]\n"
                      "  [--model-fingerprint HEX] [--llama-commit SHA] [--patch-stack SHA] [--drain-seconds N]\n"
-                     "  [--poll 0-100]\n";
+                     "  [--poll 0-100] [--mtp]\n";
         return 2;
     }
     std::unique_ptr<dgr::ShardEngine> engine;
@@ -389,6 +391,7 @@ int main(int argc, char ** argv) {
         o.n_batch = args.n_batch;
         o.max_sessions = args.max_sessions;
         o.poll = args.poll;
+        o.load_mtp = args.mtp;
         engine = dgr::ShardEngine::open(o);
     } catch (const dgr::ShardError & e) {
         std::cerr << "dgr-shard-worker: " << e.what() << "\n";

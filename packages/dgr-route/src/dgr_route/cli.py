@@ -60,6 +60,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "--n-ctx",
         str(args.n_ctx),
         *descriptor_args(model),
+        *(["--mtp"] if args.mtp else []),
     ]
     os.execv(cmd[0], cmd)  # the worker replaces this process: signals reach it directly
 
@@ -142,6 +143,9 @@ def register_worker(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-sessions", type=int, default=4)
     p.add_argument("--n-ctx", type=int, default=2048)
+    p.add_argument(
+        "--mtp", action="store_true", help="serve the MTP block (reserved: refused in alpha)"
+    )
     p.set_defaults(func=cmd_worker)
 
 
