@@ -4,7 +4,6 @@ missing sideband is INVALID_ARGUMENT naming what was wrong."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,15 +112,3 @@ def test_a_bf16_wire_equals_the_same_rounding_in_one_process(
         forward_once(fleet[0], bad)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "boundary_dtype" in (info.value.details() or "")
-
-
-def test_workers_refuse_the_mtp_block(quick_twin: Path) -> None:
-    from dgr_route.workers import WorkerStartError
-
-    n_layer = 6
-    for layers, extra, needle in [
-        ((3, n_layer + 1), [], "reaches into the MTP block"),
-        ((0, n_layer), ["--mtp"], "MTP (nextn) layers are reserved"),
-    ]:
-        with pytest.raises(WorkerStartError, match=re.escape(needle)):
-            start_worker(quick_twin, *layers, extra=extra, timeout=60)
