@@ -220,25 +220,38 @@ class Route:
         stop: set[int] | None = None,
     ) -> Iterator[pb.TokenResult]:
         """The tail's result for every generated token (id, logprob, logits when asked)."""
+        yield from self.run(secrets.randbits(63), 1, prompt, max_tokens, sampling, stop)
+
+    def run(
+        self,
+        session: int,
+        epoch: int,
+        history: list[int],
+        max_tokens: int,
+        sampling: Sampling | None = None,
+        stop: set[int] | None = None,
+    ) -> Iterator[pb.TokenResult]:
+        """Prefill `history` (the prompt, or everything so far when a session moves to this
+        route under a new epoch) from n_past 0, then decode; each result is the next token.
+        The session's caches on these stages are closed when the generator ends."""
         sampling = sampling or Sampling()
-        session = secrets.randbits(63)
         streams = [_Stream(s, self.timeout) for s in self.stages]
         chunk = min(s.describe.max_tokens_per_message for s in self.stages)
-        n_past, history = 0, FNV_OFFSET
+        n_past, prefix = 0, FNV_OFFSET
         try:
             token = pb.TokenResult()
-            for part in chunks(len(prompt), chunk):
-                tokens = prompt[part]
-                token = self._step(streams, session, tokens, n_past, history, sampling)
-                history = prefix_hash(tokens, history)
+            for part in chunks(len(history), chunk):
+                tokens = history[part]
+                token = self._step(streams, session, epoch, tokens, n_past, prefix, sampling)
+                prefix = prefix_hash(tokens, prefix)
                 n_past += len(tokens)
             for _ in range(max_tokens):
                 yield token
                 if stop and token.token_id in stop:
                     return
                 ids = [int(token.token_id)]
-                new = self._step(streams, session, ids, n_past, history, sampling)
-                history = prefix_hash(ids, history)
+                new = self._step(streams, session, epoch, ids, n_past, prefix, sampling)
+                prefix = prefix_hash(ids, prefix)
                 n_past += 1
                 token = new
         finally:
@@ -252,12 +265,13 @@ class Route:
         self,
         streams: list[_Stream],
         session: int,
+        epoch: int,
         tokens: list[int],
         n_past: int,
-        history: int,
+        prefix: int,
         sampling: Sampling,
     ) -> pb.TokenResult:
-        expect = pb.CacheExpectation(epoch=1, n_past=n_past, prefix_hash=history)
+        expect = pb.CacheExpectation(epoch=epoch, n_past=n_past, prefix_hash=prefix)
         boundary: pb.Boundary | None = None
         for stream in streams:
             request = pb.ForwardRequest(
