@@ -13,7 +13,7 @@ import contextlib
 import queue
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -230,7 +230,7 @@ class Route:
         max_tokens: int,
         sampling: Sampling | None = None,
         stop: set[int] | None = None,
-    ) -> Iterator[pb.TokenResult]:
+    ) -> Generator[pb.TokenResult, None, None]:
         """Prefill `history` (the prompt, or everything so far when a session moves to this
         route under a new epoch) from n_past 0, then decode; each result is the next token.
         The session's caches on these stages are closed when the generator ends."""
