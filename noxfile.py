@@ -110,6 +110,19 @@ def v4_twin(session: nox.Session) -> None:
         session.run("dgr-native", "twin", name, "--check")
 
 
+@nox.session(python=False)
+def twins(session: nox.Session) -> None:
+    """Generate every twin (V4, qwen2, qwen3, deepseek2) and check it against its manifest."""
+    for name in session.posargs or [
+        "dsv4-twin",
+        "dsv4-twin-quick",
+        "qwen2-twin",
+        "qwen3-twin",
+        "deepseek2-twin",
+    ]:
+        session.run("dgr-native", "twin", name, "--check")
+
+
 @nox.session(name="bench-seams", python=False)
 def bench_seams(session: nox.Session) -> None:
     """Bytes per token per seam on real 3-stage routes (SmolLM2, the V4 twin; real V4 stated)."""

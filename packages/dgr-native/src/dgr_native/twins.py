@@ -94,7 +94,97 @@ _FULL_SPEC = TwinSpec(
 )
 # the same parts at test size: fewer layers, experts and tokens
 _QUICK_SPEC = replace(_FULL_SPEC, name="dsv4-twin-quick", n_layer=6, n_expert=16, n_vocab=1024)
-TWINS = {t.name: t for t in (_FULL_SPEC, _QUICK_SPEC)}
+
+
+@dataclass(frozen=True)
+class ArchTwin:
+    """A random-weight model of another architecture (range ownership beyond V4, DGR-033)."""
+
+    name: str
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_vocab: int
+    extra: tuple[tuple[str, object], ...] = ()  # arch-specific keys, without the arch prefix
+    expert_f16: bool = False
+    seed: int = 20261130
+    stdev: float = 0.1
+
+    def metadata(self) -> dict[str, object]:
+        a = self.arch
+        kv: dict[str, object] = {
+            f"{a}.vocab_size": self.n_vocab,
+            f"{a}.context_length": 4096,
+            f"{a}.embedding_length": self.n_embd,
+            f"{a}.block_count": self.n_layer,
+            f"{a}.feed_forward_length": self.n_ff,
+            f"{a}.attention.head_count": self.n_head,
+            f"{a}.attention.head_count_kv": self.n_head_kv,
+            f"{a}.attention.layer_norm_rms_epsilon": 1e-6,
+            f"{a}.rope.freq_base": 10000.0,
+        }
+        kv.update({f"{a}.{key}": value for key, value in self.extra})
+        kv["tokenizer.ggml.model"] = "test"
+        kv["tokenizer.ggml.tokens"] = [f"tok_{i}" for i in range(self.n_vocab)]
+        kv["tokenizer.ggml.scores"] = [0.0] * self.n_vocab
+        return kv
+
+    def types(self) -> dict[str, str]:
+        if not self.expert_f16:
+            return {}
+        return {
+            f"blk.{il}.ffn_{part}_exps.weight": "f16"
+            for il in range(self.n_layer)
+            for part in ("gate", "up", "down")
+        }
+
+    def digest(self) -> str:
+        text = json.dumps({"spec": asdict(self), "generator": GENERATOR_VERSION}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+ARCH_TWINS = [
+    ArchTwin(
+        "qwen2-twin", "qwen2", n_layer=8, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_vocab=1024
+    ),
+    ArchTwin(
+        "qwen3-twin", "qwen3", n_layer=8, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_vocab=1024
+    ),
+    ArchTwin(
+        "deepseek2-twin",
+        "deepseek2",
+        n_layer=6,
+        n_embd=128,
+        n_head=1,
+        n_head_kv=1,
+        n_ff=192,
+        n_vocab=1024,
+        extra=(
+            ("leading_dense_block_count", 1),
+            ("attention.q_lora_rank", 512),
+            ("attention.kv_lora_rank", 512),
+            ("attention.key_length", 576),
+            ("attention.value_length", 512),
+            ("attention.key_length_mla", 192),
+            ("attention.value_length_mla", 128),
+            ("rope.dimension_count", 64),
+            ("expert_count", 16),
+            ("expert_used_count", 4),
+            ("expert_shared_count", 1),
+            ("expert_feed_forward_length", 64),
+            ("expert_weights_scale", 1.0),
+            ("expert_weights_norm", True),
+            ("expert_gating_func", 2),  # sigmoid, as DeepSeek V3
+        ),
+        expert_f16=True,
+    ),
+]
+Twin = TwinSpec | ArchTwin
+TWINS: dict[str, Twin] = {t.name: t for t in [_FULL_SPEC, _QUICK_SPEC]}
+TWINS.update({t.name: t for t in ARCH_TWINS})
 QUICK = _QUICK_SPEC.name
 FULL = _FULL_SPEC.name
 
@@ -153,9 +243,9 @@ def tensor_types(spec: TwinSpec) -> dict[str, str]:
     return types
 
 
-def _write_metadata(spec: TwinSpec, path: Path) -> None:
-    writer = gguf.GGUFWriter(str(path), ARCH)
-    for key, value in metadata(spec).items():
+def _write_metadata(arch: str, kv: dict[str, object], path: Path) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in kv.items():
         if isinstance(value, bool):
             writer.add_bool(key, value)
         elif isinstance(value, int):
@@ -184,45 +274,62 @@ def _optional_extra(name: str) -> bool:
     return name.endswith(".scale") and "hc_" not in name
 
 
-def _with_mtp_block(spec: TwinSpec, raw: Path, out: Path) -> None:
-    """Copy `raw`, declaring its last block the MTP layer and adding that layer's projections."""
+def _rewrite(
+    arch: str, raw: Path, out: Path, extra_kv: dict[str, int], extra: dict[str, np.ndarray]
+) -> None:
+    """Copy `raw` without the optional extras, with `extra_kv` (uint32) set and `extra` added."""
     reader = gguf.GGUFReader(str(raw))
-    writer = gguf.GGUFWriter(str(out), ARCH)
-    nextn_key = f"{ARCH}.nextn_predict_layers"
+    writer = gguf.GGUFWriter(str(out), arch)
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in ("general.architecture", nextn_key):
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        if field.name in extra_kv:
             continue
         vtype = field.types[0]
         if vtype == gguf.GGUFValueType.ARRAY and not field.data:
             continue  # llama.cpp's saver writes unused per-layer arrays empty; loaders skip them
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
-    writer.add_uint32(nextn_key, 1)
+    for key, value in extra_kv.items():
+        writer.add_uint32(key, value)
     for t in reader.tensors:
         if _optional_extra(t.name):
             continue
         writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    rng = np.random.default_rng(spec.seed)
-    mtp = spec.n_layer
-    eh_proj = rng.normal(0.0, spec.stdev, (spec.n_embd, 2 * spec.n_embd)).astype(np.float32)
-    writer.add_tensor(f"blk.{mtp}.nextn.eh_proj.weight", eh_proj)
-    for norm in ("enorm", "hnorm"):
-        weights = rng.normal(0.0, spec.stdev, spec.n_embd).astype(np.float32)
-        writer.add_tensor(f"blk.{mtp}.nextn.{norm}.weight", weights)
+    for name, data in extra.items():
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-def generate(spec: TwinSpec, out: Path) -> Path:
+def _mtp_block(spec: TwinSpec) -> dict[str, np.ndarray]:
+    """The MTP layer's projections, which llama.cpp does not build from metadata."""
+    rng = np.random.default_rng(spec.seed)
+    mtp = spec.n_layer
+    eh_proj = rng.normal(0.0, spec.stdev, (spec.n_embd, 2 * spec.n_embd)).astype(np.float32)
+    out = {f"blk.{mtp}.nextn.eh_proj.weight": eh_proj}
+    for norm in ("enorm", "hnorm"):
+        out[f"blk.{mtp}.nextn.{norm}.weight"] = rng.normal(0.0, spec.stdev, spec.n_embd).astype(
+            np.float32
+        )
+    return out
+
+
+def generate(spec: Twin, out: Path) -> Path:
     """Write the twin to `out` (atomically: a temp file in the same directory, then a rename)."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(spec, TwinSpec):
+        arch, kv, types = ARCH, metadata(spec), tensor_types(spec)
+        extra_kv, extra = {f"{ARCH}.nextn_predict_layers": 1}, _mtp_block(spec)
+    else:
+        arch, kv, types, extra_kv, extra = spec.arch, spec.metadata(), spec.types(), {}, {}
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".twin-") as tmp:
         meta, raw, final = Path(tmp, "meta.gguf"), Path(tmp, "raw.gguf"), Path(tmp, "twin.gguf")
-        _write_metadata(spec, meta)
-        load().generate_random_model(str(meta), str(raw), spec.seed, spec.stdev, tensor_types(spec))
-        _with_mtp_block(spec, raw, final)
+        _write_metadata(arch, kv, meta)
+        load().generate_random_model(str(meta), str(raw), spec.seed, spec.stdev, types)
+        _rewrite(arch, raw, final, extra_kv, extra)
         with final.open("rb") as f:
             os.fsync(f.fileno())
         final.replace(out)
