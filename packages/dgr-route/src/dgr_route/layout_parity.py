@@ -58,10 +58,13 @@ def structure(model: Path) -> ModelStructure:
     arch = kv["general.architecture"]
     blocks = int(kv[f"{arch}.block_count"])
     nextn = int(kv.get(f"{arch}.nextn_predict_layers", 0))
+    ratios = kv.get(f"{arch}.attention.compress_ratios", [])
+    if isinstance(ratios, int | float):  # llama.cpp's saver writes one value for every layer
+        ratios = [ratios] * blocks
     return ModelStructure(
         n_layer=blocks - nextn,
         hash_layers=int(kv.get(f"{arch}.hash_layer_count", 0)),
-        compress_ratios=tuple(int(r) for r in kv.get(f"{arch}.attention.compress_ratios", [])),
+        compress_ratios=tuple(int(r) for r in ratios),
     )
 
 
