@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <cstring>
 #include <iostream>
@@ -35,6 +36,7 @@ struct Args {
     std::string model, listen = "127.0.0.1:0", lane = "cpu", fingerprint, llama_commit, patch_hash;
     int32_t first = 0, last = -1, threads = 2, n_ctx = 2048, n_batch = 512, max_sessions = 4;
     uint64_t max_message_bytes = 64ull << 20;
+    int max_queue = 16;  // forwards that may wait behind the one computing; more are refused
     int drain_seconds = 10;
     int poll = 50;  // ggml threadpool spin level between graphs (0 sleeps, 100 spins)
     bool mtp = false;  // serve MTP (nextn) layers: reserved, the engine refuses it in alpha
@@ -186,9 +188,21 @@ public:
                 return abandon(Status(StatusCode::CANCELLED, "cancelled by the client"));
             }
             seen.insert(req.session_id());
-            in_flight_++;
+            // backpressure: a bounded queue, refused beyond it (the session's cache is untouched
+            // and the client may retry); the requests admitted compute in arrival order
+            const int ahead = in_flight_++;
+            if (ahead > args_.max_queue) {
+                in_flight_--;
+                return Status(StatusCode::RESOURCE_EXHAUSTED,
+                              "queue full: " + std::to_string(ahead) + " forwards in flight, at most " +
+                                  std::to_string(args_.max_queue) + " may wait; retry later");
+            }
             dgr::v1::ForwardReply reply;
-            Status st = handle(req, &reply);
+            Status st;
+            {
+                Turn turn(turnstile_);
+                st = handle(req, &reply);
+            }
             in_flight_--;
             if (!st.ok()) {
                 return st;  // a refused request leaves the session's cache as it was
@@ -331,6 +345,27 @@ private:
     std::mutex mutex_;
     std::map<uint64_t, uint64_t> hashes_;
     std::atomic<int> in_flight_{0};
+
+    // FIFO turns on the engine: sessions are served in the order their requests arrived
+    struct Turnstile {
+        std::mutex m;
+        std::condition_variable cv;
+        uint64_t next = 0, serving = 0;
+    };
+    struct Turn {
+        explicit Turn(Turnstile & t) : t_(t) {
+            std::unique_lock<std::mutex> lock(t_.m);
+            const uint64_t mine = t_.next++;
+            t_.cv.wait(lock, [&] { return t_.serving == mine; });
+        }
+        ~Turn() {
+            std::lock_guard<std::mutex> lock(t_.m);
+            t_.serving++;
+            t_.cv.notify_all();
+        }
+        Turnstile & t_;
+    };
+    Turnstile turnstile_;
 };
 
 bool parse_args(int argc, char ** argv, Args & a) {
@@ -353,6 +388,7 @@ bool parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--n-batch") a.n_batch = std::stoi(val());
         else if (k == "--max-sessions") a.max_sessions = std::stoi(val());
         else if (k == "--max-message-bytes") a.max_message_bytes = std::stoull(val());
+        else if (k == "--max-queue") a.max_queue = std::stoi(val());
         else if (k == "--lane") a.lane = val();
         else if (k == "--model-fingerprint") a.fingerprint = val();
         else if (k == "--llama-commit") a.llama_commit = val();
@@ -375,7 +411,7 @@ int main(int argc, char ** argv) {
     } catch (const std::exception & e) {
         std::cerr << "dgr-shard-worker: " << e.what() << "\n"
                   << "usage: dgr-shard-worker --model PATH --layers FIRST:LAST [--listen HOST:PORT] [--threads N]\n"
-                     "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--lane cpu]\n"
+                     "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--lane cpu]\n"
                      "  [--model-fingerprint HEX] [--llama-commit SHA] [--patch-stack SHA] [--drain-seconds N]\n"
                      "  [--poll 0-100] [--mtp]\n";
         return 2;

@@ -60,6 +60,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "--n-ctx",
         str(args.n_ctx),
         *descriptor_args(model),
+        "--max-queue",
+        str(args.max_queue),
         *(["--mtp"] if args.mtp else []),
     ]
     os.execv(cmd[0], cmd)  # the worker replaces this process: signals reach it directly
@@ -143,6 +145,12 @@ def register_worker(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-sessions", type=int, default=4)
     p.add_argument("--n-ctx", type=int, default=2048)
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=16,
+        help="forwards that may wait behind the one computing; more get RESOURCE_EXHAUSTED",
+    )
     p.add_argument(
         "--mtp", action="store_true", help="serve the MTP block (reserved: refused in alpha)"
     )

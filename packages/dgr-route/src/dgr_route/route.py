@@ -245,10 +245,10 @@ class Route:
                 token = self._step(streams, session, epoch, tokens, n_past, prefix, sampling)
                 prefix = prefix_hash(tokens, prefix)
                 n_past += len(tokens)
-            for _ in range(max_tokens):
+            for i in range(max_tokens):
                 yield token
-                if stop and token.token_id in stop:
-                    return
+                if (stop and token.token_id in stop) or i == max_tokens - 1:
+                    return  # no step past the last token: its result would be thrown away
                 ids = [int(token.token_id)]
                 new = self._step(streams, session, epoch, ids, n_past, prefix, sampling)
                 prefix = prefix_hash(ids, prefix)
