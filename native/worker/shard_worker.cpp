@@ -16,6 +16,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <csignal>
+#include <fstream>
+#include <iterator>
 #include <cstring>
 #include <iostream>
 #include <map>
@@ -40,6 +42,8 @@ struct Args {
     int drain_seconds = 10;
     int poll = 50;  // ggml threadpool spin level between graphs (0 sleeps, 100 spins)
     bool mtp = false;  // serve MTP (nextn) layers: reserved, the engine refuses it in alpha
+    std::string token;  // from --auth-token-file (a file, so the token never shows in ps)
+    std::string tls_cert, tls_key, tls_client_ca;  // PEM contents; client CA: require mTLS
 };
 
 std::atomic<bool> g_stop{false};
@@ -114,7 +118,8 @@ public:
     ShardService(std::unique_ptr<dgr::ShardEngine> engine, const Args & args)
         : engine_(std::move(engine)), args_(args), desc_(engine_->describe()) {}
 
-    Status Describe(ServerContext *, const dgr::v1::DescribeRequest *, dgr::v1::DescribeReply * reply) override {
+    Status Describe(ServerContext * ctx, const dgr::v1::DescribeRequest *, dgr::v1::DescribeReply * reply) override {
+        if (Status st = authorize(ctx); !st.ok()) return st;
         auto * c = reply->mutable_compatibility();
         c->set_model_fingerprint(args_.fingerprint);
         c->set_llama_cpp_commit(args_.llama_commit);
@@ -137,7 +142,8 @@ public:
         return Status::OK;
     }
 
-    Status Health(ServerContext *, const dgr::v1::HealthRequest *, dgr::v1::HealthReply * reply) override {
+    Status Health(ServerContext * ctx, const dgr::v1::HealthRequest *, dgr::v1::HealthReply * reply) override {
+        if (Status st = authorize(ctx); !st.ok()) return st;
         const size_t sessions = engine_->sessions().size();
         reply->set_ready(true);
         reply->set_draining(g_stop.load());
@@ -147,12 +153,14 @@ public:
         return Status::OK;
     }
 
-    Status OpenSession(ServerContext *, const dgr::v1::OpenSessionRequest *, dgr::v1::OpenSessionReply * reply) override {
+    Status OpenSession(ServerContext * ctx, const dgr::v1::OpenSessionRequest *, dgr::v1::OpenSessionReply * reply) override {
+        if (Status st = authorize(ctx); !st.ok()) return st;
         reply->set_n_ctx((uint32_t) desc_.n_ctx);
         return Status::OK;
     }
 
-    Status CloseSession(ServerContext *, const dgr::v1::CloseSessionRequest * req, dgr::v1::CloseSessionReply *) override {
+    Status CloseSession(ServerContext * ctx, const dgr::v1::CloseSessionRequest * req, dgr::v1::CloseSessionReply *) override {
+        if (Status st = authorize(ctx); !st.ok()) return st;
         try {
             engine_->release(req->session_id());
         } catch (const dgr::ShardError & e) {
@@ -165,6 +173,7 @@ public:
 
     Status Forward(ServerContext * ctx,
                    grpc::ServerReaderWriter<dgr::v1::ForwardReply, dgr::v1::ForwardRequest> * stream) override {
+        if (Status st = authorize(ctx); !st.ok()) return st;
         if (g_stop.load()) {
             return Status(StatusCode::UNAVAILABLE, "draining: not accepting new streams");
         }
@@ -218,6 +227,23 @@ public:
     }
 
 private:
+    // with --auth-token-file, every ShardService call carries "authorization: Bearer <token>"
+    // (grpc.health.v1 stays open for liveness probes)
+    Status authorize(ServerContext * ctx) const {
+        if (args_.token.empty()) return Status::OK;
+        const auto & md = ctx->client_metadata();
+        auto it = md.find("authorization");
+        if (it == md.end()) {
+            return Status(StatusCode::UNAUTHENTICATED, "missing authorization: this worker needs a bearer token");
+        }
+        const std::string got(it->second.data(), it->second.size());
+        const std::string want = "Bearer " + args_.token;
+        unsigned char diff = got.size() == want.size() ? 0 : 1;
+        for (size_t i = 0; i < got.size() && i < want.size(); ++i) diff |= (unsigned char) (got[i] ^ want[i]);
+        if (diff != 0) return Status(StatusCode::UNAUTHENTICATED, "wrong bearer token");
+        return Status::OK;
+    }
+
     Status handle(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply) {
         const auto & exp = req.expect();
         const int n_tok_ids = req.token_ids_size();
@@ -368,6 +394,12 @@ private:
     Turnstile turnstile_;
 };
 
+std::string read_file(const std::string & path, const std::string & option) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw std::invalid_argument(option + ": cannot read " + path);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
 bool parse_args(int argc, char ** argv, Args & a) {
     for (int i = 1; i < argc; ++i) {
         std::string k = argv[i];
@@ -396,9 +428,18 @@ bool parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--drain-seconds") a.drain_seconds = std::stoi(val());
         else if (k == "--poll") a.poll = std::stoi(val());
         else if (k == "--mtp") a.mtp = true;
+        else if (k == "--auth-token-file") {
+            a.token = read_file(val(), "--auth-token-file");
+            while (!a.token.empty() && (a.token.back() == '\n' || a.token.back() == '\r' || a.token.back() == ' ')) a.token.pop_back();
+            if (a.token.empty()) throw std::invalid_argument("--auth-token-file: the file holds no token");
+        } else if (k == "--tls-cert") a.tls_cert = read_file(val(), "--tls-cert");
+        else if (k == "--tls-key") a.tls_key = read_file(val(), "--tls-key");
+        else if (k == "--tls-client-ca") a.tls_client_ca = read_file(val(), "--tls-client-ca");
         else throw std::invalid_argument("unknown option " + k);
     }
     if (a.model.empty()) throw std::invalid_argument("--model is required");
+    if (a.tls_cert.empty() != a.tls_key.empty()) throw std::invalid_argument("--tls-cert and --tls-key go together");
+    if (!a.tls_client_ca.empty() && a.tls_cert.empty()) throw std::invalid_argument("--tls-client-ca needs --tls-cert and --tls-key");
     return true;
 }
 
@@ -413,7 +454,7 @@ int main(int argc, char ** argv) {
                   << "usage: dgr-shard-worker --model PATH --layers FIRST:LAST [--listen HOST:PORT] [--threads N]\n"
                      "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--lane cpu]\n"
                      "  [--model-fingerprint HEX] [--llama-commit SHA] [--patch-stack SHA] [--drain-seconds N]\n"
-                     "  [--poll 0-100] [--mtp]\n";
+                     "  [--poll 0-100] [--mtp] [--auth-token-file F] [--tls-cert F --tls-key F [--tls-client-ca F]]\n";
         return 2;
     }
     std::unique_ptr<dgr::ShardEngine> engine;
@@ -437,7 +478,17 @@ int main(int argc, char ** argv) {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;
     int port = 0;
-    builder.AddListeningPort(args.listen, grpc::InsecureServerCredentials(), &port);
+    std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+    if (!args.tls_cert.empty()) {
+        // TLS; with a client CA, mutual TLS: a client without a certificate it signed is refused
+        grpc::SslServerCredentialsOptions ssl(args.tls_client_ca.empty()
+                                                  ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                                  : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+        ssl.pem_root_certs = args.tls_client_ca;
+        ssl.pem_key_cert_pairs.push_back({args.tls_key, args.tls_cert});
+        creds = grpc::SslServerCredentials(ssl);
+    }
+    builder.AddListeningPort(args.listen, creds, &port);
     builder.SetMaxReceiveMessageSize((int) std::min<uint64_t>(args.max_message_bytes, INT32_MAX));
     builder.SetMaxSendMessageSize((int) std::min<uint64_t>(args.max_message_bytes * 2, INT32_MAX));
     builder.RegisterService(&service);

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dgr_route.route import Route, RouteError, Sampling
+from dgr_route.security import Security
 
 
 class Tokenizer:
@@ -62,6 +63,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
         *descriptor_args(model),
         "--max-queue",
         str(args.max_queue),
+        *[
+            arg
+            for flag, value in [
+                ("--tls-cert", args.tls_cert),
+                ("--tls-key", args.tls_key),
+                ("--tls-client-ca", args.tls_client_ca),
+                ("--auth-token-file", args.auth_token_file),
+            ]
+            if value
+            for arg in (flag, str(value))
+        ],
         *(["--mtp"] if args.mtp else []),
     ]
     os.execv(cmd[0], cmd)  # the worker replaces this process: signals reach it directly
@@ -70,7 +82,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer(model_arg(args.model))
     try:
-        route = Route.open(args.route.split(","), timeout=args.timeout, wire_dtype=args.wire_dtype)
+        route = Route.open(
+            args.route.split(","),
+            timeout=args.timeout,
+            wire_dtype=args.wire_dtype,
+            security=client_security(args),
+        )
     except RouteError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -106,7 +123,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model = model_arg(args.model)
     try:
-        route = Route.open(args.route.split(","), timeout=args.timeout, wire_dtype=args.wire_dtype)
+        route = Route.open(
+            args.route.split(","),
+            timeout=args.timeout,
+            wire_dtype=args.wire_dtype,
+            security=client_security(args),
+        )
     except RouteError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -115,8 +137,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def client_security(args: argparse.Namespace) -> Security:
+    return Security.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file)
+
+
 def add_route_options(p: argparse.ArgumentParser) -> None:
-    """--route, --timeout and --wire-dtype: how a client reaches and drives a route."""
+    """--route, --timeout, --wire-dtype and the TLS/token options: how a client reaches and
+    drives a route."""
     p.add_argument("--route", required=True, help="host:port,host:port,... in layer order")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a stage may take per step")
     p.add_argument(
@@ -125,6 +152,10 @@ def add_route_options(p: argparse.ArgumentParser) -> None:
         default="f32",
         help="the residual on the wire (f32: bitwise equal to one process; bf16 halves the bytes)",
     )
+    p.add_argument("--tls-ca", type=Path, help="PEM CA that signed the workers' certificates (TLS)")
+    p.add_argument("--tls-cert", type=Path, help="PEM client certificate (workers requiring mTLS)")
+    p.add_argument("--tls-key", type=Path, help="PEM key of the client certificate")
+    p.add_argument("--auth-token-file", type=Path, help="file holding the workers' bearer token")
 
 
 def register_serve(sub: Any) -> None:
@@ -154,6 +185,12 @@ def register_worker(sub: Any) -> None:
     p.add_argument(
         "--mtp", action="store_true", help="serve the MTP block (reserved: refused in alpha)"
     )
+    p.add_argument("--tls-cert", type=Path, help="PEM server certificate (serve TLS)")
+    p.add_argument("--tls-key", type=Path, help="PEM key of the server certificate")
+    p.add_argument(
+        "--tls-client-ca", type=Path, help="PEM CA clients' certificates must chain to (mTLS)"
+    )
+    p.add_argument("--auth-token-file", type=Path, help="require this bearer token on every call")
     p.set_defaults(func=cmd_worker)
 
 

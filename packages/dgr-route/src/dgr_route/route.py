@@ -22,6 +22,7 @@ from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
 
 from dgr_route.codec import BY_NAME, FNV_OFFSET, chunks, decode_logits, prefix_hash
+from dgr_route.security import PLAIN, Security
 
 COMPAT_FIELDS = (
     "model_fingerprint",
@@ -51,6 +52,7 @@ class Stage:
     channel: grpc.Channel
     stub: pb_grpc.ShardServiceStub
     describe: pb.DescribeReply
+    metadata: tuple[tuple[str, str], ...] = ()  # per-call credentials (bearer token)
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -86,7 +88,7 @@ class _Stream:
         self.stage = stage
         self.timeout = timeout
         self.requests: queue.Queue[pb.ForwardRequest | None] = queue.Queue()
-        self.call_ = stage.stub.Forward(iter(self.requests.get, None))
+        self.call_ = stage.stub.Forward(iter(self.requests.get, None), metadata=stage.metadata)
         self.replies: queue.Queue[pb.ForwardReply | BaseException | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -164,26 +166,28 @@ class Route:
         self.wire = SeamTraffic()
 
     @classmethod
-    def open(cls, addresses: list[str], timeout: float = 60.0, wire_dtype: str = "f32") -> Route:
+    def open(
+        cls,
+        addresses: list[str],
+        timeout: float = 60.0,
+        wire_dtype: str = "f32",
+        security: Security = PLAIN,
+    ) -> Route:
         if wire_dtype not in BY_NAME:
             raise ValueError(f"wire dtype {wire_dtype!r} is not one of {', '.join(BY_NAME)}")
         stages = []
         for i, address in enumerate(addresses):
-            channel = grpc.insecure_channel(
-                address,
-                options=[
-                    ("grpc.max_receive_message_length", 256 << 20),
-                    ("grpc.max_send_message_length", 256 << 20),
-                ],
-            )
+            channel = security.channel(address)
             stub = pb_grpc.ShardServiceStub(channel)  # type: ignore[no-untyped-call]  # generated
             try:
-                describe = stub.Describe(pb.DescribeRequest(), timeout=timeout)
+                describe = stub.Describe(
+                    pb.DescribeRequest(), timeout=timeout, metadata=security.metadata
+                )
             except grpc.RpcError as exc:
                 raise RouteError(
                     i, address, f"Describe failed: {exc.code().name}: {exc.details()}", exc.code()
                 ) from exc
-            stages.append(Stage(i, address, channel, stub, describe))
+            stages.append(Stage(i, address, channel, stub, describe, security.metadata))
         check_route(stages)
         for stage in stages[1:]:
             if BY_NAME.get(wire_dtype) not in stage.describe.boundary.dtypes:
@@ -259,7 +263,11 @@ class Route:
                 stream.close()
             for stage in self.stages:
                 with contextlib.suppress(grpc.RpcError):  # a dead stage has no session left
-                    stage.stub.CloseSession(pb.CloseSessionRequest(session_id=session), timeout=5)
+                    stage.stub.CloseSession(
+                        pb.CloseSessionRequest(session_id=session),
+                        timeout=5,
+                        metadata=stage.metadata,
+                    )
 
     def _step(
         self,

@@ -1,0 +1,62 @@
+"""How a client reaches secured workers (story DGR-044): TLS with the CA that signed the workers'
+certificates, a client certificate where workers require mutual TLS, and a bearer token where
+they were started with `--auth-token-file`. Secrets are read from files, never from argv."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_send_message_length", 256 << 20),
+]
+
+
+@dataclass(frozen=True)
+class Security:
+    ca: bytes | None = None  # PEM: verify workers' certificates (TLS when set)
+    cert: bytes | None = None  # PEM: this client's certificate, for mutual TLS
+    key: bytes | None = None
+    token: str | None = None  # sent as "authorization: Bearer <token>"
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate and its key go together")
+        if self.cert is not None and self.ca is None:
+            raise ValueError("a client certificate needs TLS: give the CA that signed the workers")
+
+    @classmethod
+    def from_files(
+        cls,
+        ca: Path | None = None,
+        cert: Path | None = None,
+        key: Path | None = None,
+        token_file: Path | None = None,
+    ) -> Security:
+        token = token_file.read_text(encoding="utf-8").strip() if token_file else None
+        if token_file and not token:
+            raise ValueError(f"{token_file}: the file holds no token")
+        return cls(
+            ca=ca.read_bytes() if ca else None,
+            cert=cert.read_bytes() if cert else None,
+            key=key.read_bytes() if key else None,
+            token=token,
+        )
+
+    def channel(self, address: str) -> grpc.Channel:
+        if self.ca is None:
+            return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
+        return grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+PLAIN = Security()
