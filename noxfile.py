@@ -129,6 +129,18 @@ def bench_seams(session: nox.Session) -> None:
     session.run("python", "-m", "dgr_route.bench_seams", *session.posargs)
 
 
+@nox.session(name="bench-wan", python=False)
+def bench_wan(session: nox.Session) -> None:
+    """DGR and llama.cpp RPC decode through simulated WAN links (0, 1, 10 ms added)."""
+    session.run("python", "-m", "dgr_route.bench_wan", *session.posargs)
+
+
+@nox.session(name="bench-seam", python=False)
+def bench_seam(session: nox.Session) -> None:
+    """The seam-cost model against measurements through simulated links (within 20%)."""
+    session.run("python", "-m", "dgr_route.bench_wan", "--seam-model", *session.posargs)
+
+
 @nox.session(name="bench-memory", python=False)
 def bench_memory(session: nox.Session) -> None:
     """Per-stage RSS of a 3-way split next to owned weights, KV and compute buffers."""

@@ -1,0 +1,224 @@
+"""Routes over simulated WAN links (`dgr_route.netsim` proxies in front of every worker).
+
+`nox -s bench-wan` (DGR-062): decode tokens/s of a 3-stage DGR route and of llama.cpp RPC (two
+ggml-rpc-servers, -ts 1/1) at 0, 1 and 10 ms of added one-way latency, as ratios measured in
+the same run. Writes evidence/bench/bench-wan.json.
+
+`nox -s bench-seam` (DGR-053): the seam-cost model. The coordinator relays, so a decode token
+makes one round trip to every stage; through links of latency d and bandwidth B each stage costs
+2·d plus the bytes it receives and sends divided by B. The model predicts a token's time as the
+time measured through zero-latency links plus that sum, and is checked against measurements at
+1 and 10 ms (and at 1 ms through a 10 Mbit/s link). Writes evidence/bench/bench-seam.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dgr_prd.metrics import report
+from dgr_prd.paths import find_root
+
+from dgr_route.bench import rpc_servers
+from dgr_route.netsim import LinkProcess, start_link
+from dgr_route.route import Route
+from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+
+LAYOUT = [(0, 10), (10, 20), (20, 30)]
+PAIR = [(0, 15), (15, 30)]
+PROMPT = [1000 + (i * 7) % 5000 for i in range(64)]
+DECODE_TOKENS = 32
+ROUNDS = 3
+PROTOCOL_BYTES = 60  # gRPC/HTTP2 framing and the request's own fields, per message (estimate)
+
+
+def decode_seconds_per_token(addresses: list[str]) -> float:
+    route = Route.open(addresses, timeout=120)
+    times = []
+    for _ in range(ROUNDS):
+        stream = route.generate(PROMPT, DECODE_TOKENS + 1)
+        next(stream)
+        t0 = time.perf_counter()
+        for _ in stream:
+            pass
+        times.append((time.perf_counter() - t0) / DECODE_TOKENS)
+    route.close()
+    return statistics.median(times)
+
+
+def through_links(
+    workers: list[WorkerProcess], latency_ms: float, mbps: float | None
+) -> tuple[float, list[LinkProcess]]:
+    links = [start_link(w.address, latency_ms, mbps) for w in workers]
+    try:
+        return decode_seconds_per_token([link.address for link in links]), links
+    finally:
+        for link in links:
+            link.stop()
+
+
+def rpc_decode_tps(bench_bin: Path, model: Path, addresses: list[str]) -> float:
+    out = subprocess.run(
+        [
+            str(bench_bin),
+            "-m",
+            str(model),
+            "-p",
+            "0",
+            "-n",
+            str(DECODE_TOKENS),
+            "-t",
+            "1",
+            "-r",
+            "1",
+            "-o",
+            "json",
+            "--rpc",
+            ",".join(addresses),
+            "-ngl",
+            "99",
+            "-ts",
+            "1/1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
+    )
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def hop_bytes(n_embd: int) -> list[int]:
+    """Bytes a decode token moves over each stage's link (in + out), f32 boundary."""
+    row = n_embd * 4
+    sizes = []
+    for i in range(len(LAYOUT)):
+        into = 4 + (row if i > 0 else 0) + PROTOCOL_BYTES
+        out = (row if i < len(LAYOUT) - 1 else 8) + PROTOCOL_BYTES
+        sizes.append(into + out)
+    return sizes
+
+
+def wan(model: Path, workers: list[WorkerProcess], pair: list[WorkerProcess]) -> dict[str, Any]:
+    """`workers`: the 3-stage route; `pair`: a 2-stage route, the same number of remote hosts as
+    the two RPC servers."""
+    from dgr_llamacpp.build import build
+    from dgr_llamacpp.workspace import open_workspace
+
+    with_rpc = build(
+        open_workspace(), "cpu-rpc", ["llama-bench", "ggml-rpc-server"], log=sys.stderr
+    )
+    rows: dict[str, Any] = {}
+    for latency in (0, 1, 10):
+        dgr_s, _ = through_links(workers, latency, None)
+        dgr2_s, _ = through_links(pair, latency, None)
+        procs, servers = rpc_servers(with_rpc / "ggml-rpc-server", 2, 1)
+        links = [start_link(a, latency) for a in servers]
+        try:
+            rpc_tps = rpc_decode_tps(with_rpc / "llama-bench", model, [x.address for x in links])
+        finally:
+            for link in links:
+                link.stop()
+            for p in procs:
+                p.terminate()
+                p.wait(10)
+        rows[f"{latency}ms"] = {
+            "dgr_3stage_decode_tps": round(1 / dgr_s, 2),
+            "dgr_2stage_decode_tps": round(1 / dgr2_s, 2),
+            "rpc_2servers_decode_tps": round(rpc_tps, 2),
+            "dgr_3stage_over_rpc": round((1 / dgr_s) / rpc_tps, 3),
+            "dgr_2stage_over_rpc": round((1 / dgr2_s) / rpc_tps, 3),
+        }
+        print(
+            f"{latency:>3} ms added: DGR 3 stages {1 / dgr_s:6.1f} tok/s, 2 stages "
+            f"{1 / dgr2_s:6.1f} tok/s; llama.cpp RPC 2 servers {rpc_tps:6.1f} tok/s; "
+            f"DGR/RPC {(1 / dgr_s) / rpc_tps:.2f} (3 stages), {(1 / dgr2_s) / rpc_tps:.2f} (2)",
+            flush=True,
+        )
+    return rows
+
+
+def seam_model(workers: list[WorkerProcess], n_embd: int) -> dict[str, Any]:
+    base, _ = through_links(workers, 0, None)
+    hops = hop_bytes(n_embd)
+    rows: dict[str, Any] = {"base_ms_per_token": round(base * 1000, 3), "hop_bytes": hops}
+    worst = 0.0
+    for latency, mbps in ((1, None), (10, None), (1, 10.0)):
+        measured, _ = through_links(workers, latency, mbps)
+        bw = mbps * 1e6 if mbps else None
+        predicted_cost = sum(2 * latency / 1000 + (b * 8 / bw if bw else 0.0) for b in hops)
+        measured_cost = measured - base
+        error = abs(predicted_cost - measured_cost) / measured_cost
+        worst = max(worst, error)
+        key = f"{latency}ms" + (f"_{mbps:g}mbps" if mbps else "")
+        rows[key] = {
+            "measured_ms_per_token": round(measured * 1000, 3),
+            "predicted_seam_cost_ms": round(predicted_cost * 1000, 3),
+            "measured_seam_cost_ms": round(measured_cost * 1000, 3),
+            "relative_error": round(error, 3),
+        }
+        print(
+            f"{key:>12}: token {measured * 1000:6.2f} ms (base {base * 1000:.2f}); seam cost "
+            f"predicted {predicted_cost * 1000:6.2f} ms, measured {measured_cost * 1000:6.2f} ms, "
+            f"error {error:.1%}",
+            flush=True,
+        )
+    rows["worst_relative_error"] = round(worst, 3)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dgr_artifacts.models import model_path
+
+    parser = argparse.ArgumentParser(prog="python -m dgr_route.bench_wan")
+    parser.add_argument("--seam-model", action="store_true", help="calibrate the seam-cost model")
+    parser.add_argument("--model", default="smollm2-135m-q4_1")
+    args = parser.parse_args(argv)
+    model = model_path(args.model)
+    descriptor = descriptor_args(model)
+    workers = [
+        start_worker(model, a, b, descriptor=descriptor, threads=1, n_ctx=1024) for a, b in LAYOUT
+    ]
+    try:
+        n_embd = int(Route.open([w.address for w in workers]).stages[0].describe.boundary.n_embd)
+        if args.seam_model:
+            result = {"model": args.model, "layout": LAYOUT, **seam_model(workers, n_embd)}
+            name, gate = "bench-seam", {"worst_relative_error": result["worst_relative_error"]}
+        else:
+            pair = [
+                start_worker(model, a, b, descriptor=descriptor, threads=1, n_ctx=1024)
+                for a, b in PAIR
+            ]
+            try:
+                by_latency = wan(model, workers, pair)
+            finally:
+                for w in pair:
+                    w.stop()
+            result = {"model": args.model, "layout": LAYOUT, "by_latency": by_latency}
+            name = "bench-wan"
+            gate = {
+                f"{k}_{ratio}": v[ratio]
+                for k, v in by_latency.items()
+                for ratio in ("dgr_3stage_over_rpc", "dgr_2stage_over_rpc")
+            }
+    finally:
+        for w in workers:
+            w.stop()
+    out = find_root().evidence / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    report(name.replace("-", "_"), gate)
+    if args.seam_model and result["worst_relative_error"] > 0.2:
+        print(f"SEAM MODEL OFF: worst error {result['worst_relative_error']:.1%} > 20%")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
