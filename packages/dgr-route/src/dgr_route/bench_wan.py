@@ -9,7 +9,8 @@ makes one round trip to every stage; through links of latency d and bandwidth B 
 2·d plus the bytes it receives and sends divided by B. The model predicts a token's time as the
 time measured through zero-latency links plus that sum, and is checked against measurements at
 1 and 10 ms, within 20% (the gate); the same check through a 10 Mbit/s link is reported beside
-it (the proxy's pacing in Python is coarse at that rate, so it is not gated). Writes evidence/bench/bench-seam.json.
+it (the proxy's pacing in Python is coarse at that rate, so it is not gated). Writes
+evidence/bench/bench-seam.json.
 """
 
 from __future__ import annotations
