@@ -167,6 +167,7 @@ public:
         // read owned tensors into their own buffers: a mapped (and prefetched) file would page in
         // every layer's weights, owned or not
         mparams.load_mode = LLAMA_LOAD_MODE_NONE;
+        mparams.no_alloc = options.estimate_only;
         model_ = llama_model_load_from_file(options.model_path.c_str(), mparams);
         if (model_ == nullptr) {
             throw ShardError(Status::load_failed, options.model_path + ": " + take_or("model load failed"));
@@ -319,6 +320,9 @@ public:
     }
 
     ForwardResult forward(const ForwardRequest & req, DType out_dtype) override {
+        if (options_.estimate_only) {
+            throw ShardError(Status::invalid_argument, "this engine only estimates memory (estimate_only): it cannot run");
+        }
         const int32_t n_embd = desc_.boundary.n_embd * desc_.boundary.hc;  // one residual row
         if (req.n_tokens < 1 || req.n_tokens > options_.n_batch) {
             throw ShardError(Status::invalid_argument, "n_tokens " + std::to_string(req.n_tokens) +

@@ -59,6 +59,9 @@ struct EngineOptions {
     int32_t max_sessions = 4;
     int32_t poll = 50;          // threadpool spin level between graphs (0: sleep, 100: spin)
     bool load_mtp = false;      // MTP (nextn) layers: reserved, refused in alpha
+    bool estimate_only = false; // llama.cpp's dry run: describe() reports the memory the range
+                                // would take (weights, KV, compute) without allocating it;
+                                // forward() is refused
 };
 
 struct BoundarySpec {

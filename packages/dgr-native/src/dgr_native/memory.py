@@ -6,6 +6,11 @@ fixed runtime overhead is what every stage of this model holds whatever its rang
 interpreter, numpy, the engine module and libllama, and the model's metadata and vocabulary; a
 separate process measures it (loading the vocabulary alone).
 Target: RSS <= 1.15 x (weights + KV + compute) + overhead.
+
+The estimate (DGR-058) is made before anything loads: llama.cpp's own dry run over the range
+(`estimate_only`: metadata, tensor shapes and the buffers the context would reserve, nothing
+allocated) gives weights, KV and compute per stage; the manifest's range subset cross-checks the
+weights. The bench compares every stage's measured RSS against that estimate.
 """
 
 from __future__ import annotations
@@ -23,6 +28,22 @@ from dgr_prd.paths import find_root
 
 TARGET_RATIO = 1.15
 PROMPT_TOKENS = 128
+STAGE_OPTIONS: dict[str, int] = {"n_threads": 2, "n_ctx": 512, "n_batch": 512, "max_sessions": 1}
+
+
+def estimate_range(model: Path, first: int, last: int, **options: int) -> dict[str, int]:
+    """Bytes a stage over [first, last) will hold, from llama.cpp's dry run (nothing allocated):
+    weights, KV (and other per-layer state) and compute buffers."""
+    from dgr_native import load
+
+    d = load().Engine(str(model), first, last, estimate_only=True, **options).describe()
+    return {
+        "weights": int(d["weight_bytes"]),
+        "kv": int(d["kv_bytes"]),
+        "compute": int(d["compute_bytes"]),
+        "per_kv_token": int(d["kv_bytes"])
+        // (options.get("n_ctx", 2048) * options.get("max_sessions", 4)),
+    }
 
 
 def rss_bytes() -> tuple[int, int]:
@@ -47,9 +68,7 @@ def stage_main(model: str, first: int, last: int, boundary_in: str, boundary_out
         print(json.dumps({"overhead": rss_bytes()[0]}))
         del vocabulary
         return
-    engine = engine_module.Engine(
-        model, first, last, n_threads=2, n_ctx=512, n_batch=512, max_sessions=1
-    )
+    engine = engine_module.Engine(model, first, last, **STAGE_OPTIONS)
     d = engine.describe()
     if d["is_head"]:
         tokens = np.arange(1000, 1000 + PROMPT_TOKENS, dtype=np.int32)
@@ -98,16 +117,21 @@ def run(model_name: str, n_stages: int) -> list[dict[str, Any]]:
     overhead = child(-1, -1, "-", "-")["overhead"]
     with tempfile.TemporaryDirectory(prefix="dgr-memory-") as tmp:
         for i, (first, last) in enumerate(even_layout(manifest.n_layer, n_stages)):
+            estimate = estimate_range(model, first, last, **STAGE_OPTIONS)
             stage = child(first, last, f"{tmp}/b{i}.npy", f"{tmp}/b{i + 1}.npy")
             weights = range_subset(manifest, first, last).total_bytes
-            expected = weights + stage["kv"] + stage["compute"]
+            expected = estimate["weights"] + estimate["kv"] + estimate["compute"]
             rows.append(
                 {
                     "stage": i,
                     "layers": [first, last],
                     "owned_weight_bytes": weights,
-                    "kv_bytes": stage["kv"],
-                    "compute_bytes": stage["compute"],
+                    "estimated_weight_bytes": estimate["weights"],
+                    "estimated_kv_bytes_per_token": estimate["per_kv_token"],
+                    "kv_bytes": estimate["kv"],
+                    "compute_bytes": estimate["compute"],
+                    "measured_kv_bytes": stage["kv"],
+                    "measured_compute_bytes": stage["compute"],
                     "overhead_bytes": overhead,
                     "rss_bytes": stage["rss"],
                     "peak_rss_bytes": stage["hwm"],
