@@ -62,6 +62,16 @@ class Chain:
         last: np.ndarray = x[-1]
         return last
 
+    def greedy(self, prompt: np.ndarray, steps: int) -> tuple[list[np.ndarray], list[int]]:
+        """`steps` logits rows, each choosing the next token greedily from the one before:
+        the prompt's, then one per generated token (what a route does)."""
+        logits = [self.step(prompt)]
+        tokens = [int(np.argmax(logits[0]))]
+        while len(logits) < steps:
+            logits.append(self.step(np.array([tokens[-1]], dtype=np.int32)))
+            tokens.append(int(np.argmax(logits[-1])))
+        return logits, tokens
+
     def tokenize(self, text: str) -> np.ndarray:
         return np.asarray(self.engines[0].tokenize(text, True), dtype=np.int32)
 
@@ -101,11 +111,7 @@ def reference_run(
     ref = Chain(model, [(0, -1)])
     if prompt is None:
         prompt = ref.tokenize(PROMPT)
-    logits = [ref.step(prompt)]
-    tokens = [int(np.argmax(logits[0]))]
-    for _ in range(n_decode):
-        logits.append(ref.step(np.array([tokens[-1]], dtype=np.int32)))
-        tokens.append(int(np.argmax(logits[-1])))
+    logits, tokens = ref.greedy(prompt, n_decode + 1)
     return prompt, logits, tokens
 
 

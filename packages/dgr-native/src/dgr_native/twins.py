@@ -39,6 +39,12 @@ GENERATOR_VERSION = 1
 CSA, HCA = 4, 128
 
 
+def _digest(spec: TwinSpec | ArchTwin) -> str:
+    """The twin's cache key: its spec and the generator version (the bytes depend on both)."""
+    text = json.dumps({"spec": asdict(spec), "generator": GENERATOR_VERSION}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 @dataclass(frozen=True)
 class TwinSpec:
     name: str
@@ -68,8 +74,7 @@ class TwinSpec:
         return [*main, 0]
 
     def digest(self) -> str:
-        text = json.dumps({"spec": asdict(self), "generator": GENERATOR_VERSION}, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:12]
+        return _digest(self)
 
 
 _FULL_SPEC = TwinSpec(
@@ -142,8 +147,7 @@ class ArchTwin:
         }
 
     def digest(self) -> str:
-        text = json.dumps({"spec": asdict(self), "generator": GENERATOR_VERSION}, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:12]
+        return _digest(self)
 
 
 ARCH_TWINS = [

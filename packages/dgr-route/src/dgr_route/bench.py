@@ -113,23 +113,32 @@ def dgr_route(
         for a, b in even_layout(n_layer, n_stages)
     ]
     try:
-        route = Route.open([w.address for w in workers])
         prompt = [1000 + (i * 7) % 5000 for i in range(PROMPT_TOKENS)]
-        prefill, decode = [], []
+        return time_route([w.address for w in workers], prompt, DECODE_TOKENS, rounds)
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def time_route(
+    addresses: list[str], prompt: list[int], decode_tokens: int, rounds: int
+) -> dict[str, float]:
+    """Median prefill and decode tokens/s of greedy generation over the route at `addresses`."""
+    route = Route.open(addresses, timeout=120)
+    prefill, decode = [], []
+    try:
         for _ in range(rounds):
             t0 = time.perf_counter()
-            stream = route.generate(prompt, DECODE_TOKENS + 1)
+            stream = route.generate(prompt, decode_tokens + 1)
             next(stream)
             t1 = time.perf_counter()
             for _ in stream:
                 pass
             t2 = time.perf_counter()
-            prefill.append(PROMPT_TOKENS / (t1 - t0))
-            decode.append(DECODE_TOKENS / (t2 - t1))
-        route.close()
+            prefill.append(len(prompt) / (t1 - t0))
+            decode.append(decode_tokens / (t2 - t1))
     finally:
-        for w in workers:
-            w.stop()
+        route.close()
     return {"prefill": statistics.median(prefill), "decode": statistics.median(decode)}
 
 

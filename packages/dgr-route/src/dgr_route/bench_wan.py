@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
 
-from dgr_route.bench import rpc_servers
-from dgr_route.netsim import LinkProcess, start_link
+from dgr_route.bench import rpc_servers, time_route
+from dgr_route.netsim import start_link
 from dgr_route.route import Route
 from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
 
@@ -40,26 +38,12 @@ ROUNDS = 3
 PROTOCOL_BYTES = 60  # gRPC/HTTP2 framing and the request's own fields, per message (estimate)
 
 
-def decode_seconds_per_token(addresses: list[str]) -> float:
-    route = Route.open(addresses, timeout=120)
-    times = []
-    for _ in range(ROUNDS):
-        stream = route.generate(PROMPT, DECODE_TOKENS + 1)
-        next(stream)
-        t0 = time.perf_counter()
-        for _ in stream:
-            pass
-        times.append((time.perf_counter() - t0) / DECODE_TOKENS)
-    route.close()
-    return statistics.median(times)
-
-
-def through_links(
-    workers: list[WorkerProcess], latency_ms: float, mbps: float | None
-) -> tuple[float, list[LinkProcess]]:
+def through_links(workers: list[WorkerProcess], latency_ms: float, mbps: float | None) -> float:
+    """Seconds per decode token of the route over `workers`, each behind a simulated link."""
     links = [start_link(w.address, latency_ms, mbps) for w in workers]
     try:
-        return decode_seconds_per_token([link.address for link in links]), links
+        rate = time_route([link.address for link in links], PROMPT, DECODE_TOKENS, ROUNDS)
+        return 1 / rate["decode"]
     finally:
         for link in links:
             link.stop()
@@ -118,8 +102,8 @@ def wan(model: Path, workers: list[WorkerProcess], pair: list[WorkerProcess]) ->
     )
     rows: dict[str, Any] = {}
     for latency in (0, 1, 10):
-        dgr_s, _ = through_links(workers, latency, None)
-        dgr2_s, _ = through_links(pair, latency, None)
+        dgr_s = through_links(workers, latency, None)
+        dgr2_s = through_links(pair, latency, None)
         procs, servers = rpc_servers(with_rpc / "ggml-rpc-server", 2, 1)
         links = [start_link(a, latency) for a in servers]
         try:
@@ -147,12 +131,12 @@ def wan(model: Path, workers: list[WorkerProcess], pair: list[WorkerProcess]) ->
 
 
 def seam_model(workers: list[WorkerProcess], n_embd: int) -> dict[str, Any]:
-    base, _ = through_links(workers, 0, None)
+    base = through_links(workers, 0, None)
     hops = hop_bytes(n_embd)
     rows: dict[str, Any] = {"base_ms_per_token": round(base * 1000, 3), "hop_bytes": hops}
     worst = 0.0
     for latency, mbps in ((1, None), (10, None), (1, 10.0)):
-        measured, _ = through_links(workers, latency, mbps)
+        measured = through_links(workers, latency, mbps)
         bw = mbps * 1e6 if mbps else None
         predicted_cost = sum(2 * latency / 1000 + (b * 8 / bw if bw else 0.0) for b in hops)
         measured_cost = measured - base

@@ -81,15 +81,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer(model_arg(args.model))
-    try:
-        route = Route.open(
-            args.route.split(","),
-            timeout=args.timeout,
-            wire_dtype=args.wire_dtype,
-            security=client_security(args),
-        )
-    except RouteError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    route = open_route(args)
+    if route is None:
         return 1
     prompt = tokenizer.encode(args.prompt)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
@@ -122,23 +115,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dgr_route.openai_server import create_app
 
     model = model_arg(args.model)
-    try:
-        route = Route.open(
-            args.route.split(","),
-            timeout=args.timeout,
-            wire_dtype=args.wire_dtype,
-            security=client_security(args),
-        )
-    except RouteError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    route = open_route(args)
+    if route is None:
         return 1
     app = create_app(route, Tokenizer(model), args.model_name or model.stem)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
-def client_security(args: argparse.Namespace) -> Security:
-    return Security.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file)
+def open_route(args: argparse.Namespace) -> Route | None:
+    """The route the add_route_options arguments name, or None after printing why it failed."""
+    try:
+        return Route.open(
+            args.route.split(","),
+            timeout=args.timeout,
+            wire_dtype=args.wire_dtype,
+            security=Security.from_files(
+                args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file
+            ),
+        )
+    except RouteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
 
 
 def add_route_options(p: argparse.ArgumentParser) -> None:

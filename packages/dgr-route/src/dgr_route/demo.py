@@ -78,9 +78,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.wire_dtype != "f32":
         # a rounded wire is compared with the same rounding in one process
         chain = Chain(model, layout, args.wire_dtype)
-        ref = [int(np.argmax(chain.step(np.asarray(prompt, dtype=np.int32))))]
-        while len(ref) < len(tokens):
-            ref.append(int(np.argmax(chain.step(np.array([ref[-1]], dtype=np.int32)))))
+        _, ref = chain.greedy(np.asarray(prompt, dtype=np.int32), len(tokens))
         against = f"the same layout in one process with a {args.wire_dtype} boundary"
     same = ref == tokens
     print(

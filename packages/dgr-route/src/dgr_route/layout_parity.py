@@ -72,11 +72,7 @@ def free_run(
     model: Path, layout: list[tuple[int, int]], dtype: str, prompt: np.ndarray, steps: int
 ) -> list[np.ndarray]:
     """A chain in one process generating greedily from its own logits (what a route does)."""
-    chain = Chain(model, layout, dtype)
-    logits = [chain.step(prompt).copy()]
-    while len(logits) < steps:
-        token = np.array([int(np.argmax(logits[-1]))], dtype=np.int32)
-        logits.append(chain.step(token).copy())
+    logits, _ = Chain(model, layout, dtype).greedy(prompt, steps)
     return logits
 
 

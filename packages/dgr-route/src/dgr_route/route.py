@@ -160,8 +160,7 @@ class Route:
     wire: SeamTraffic = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.wire_dtype not in BY_NAME:
-            raise ValueError(f"wire dtype {self.wire_dtype!r} is not one of {', '.join(BY_NAME)}")
+        check_wire_dtype(self.wire_dtype)
         self.n_layer = self.stages[0].describe.compatibility.n_layer
         self.wire = SeamTraffic()
 
@@ -173,8 +172,7 @@ class Route:
         wire_dtype: str = "f32",
         security: Security = PLAIN,
     ) -> Route:
-        if wire_dtype not in BY_NAME:
-            raise ValueError(f"wire dtype {wire_dtype!r} is not one of {', '.join(BY_NAME)}")
+        check_wire_dtype(wire_dtype)  # before connecting to anything
         stages = []
         for i, address in enumerate(addresses):
             channel = security.channel(address)
@@ -298,6 +296,11 @@ class Route:
                 return reply.token
             boundary = reply.boundary
         raise RouteError(len(streams) - 1, streams[-1].stage.address, "the tail sent no token")
+
+
+def check_wire_dtype(name: str) -> None:
+    if name not in BY_NAME:
+        raise ValueError(f"wire dtype {name!r} is not one of {', '.join(BY_NAME)}")
 
 
 def check_route(stages: list[Stage]) -> None:
