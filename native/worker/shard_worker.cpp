@@ -22,6 +22,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -247,7 +248,7 @@ private:
     Status handle(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply) {
         const auto & exp = req.expect();
         const int n_tok_ids = req.token_ids_size();
-        if (req.boundary_dtype() < dgr::v1::DTYPE_UNSPECIFIED || req.boundary_dtype() > dgr::v1::DTYPE_BF16) {
+        if (req.boundary_dtype() != dgr::v1::DTYPE_UNSPECIFIED && !from_wire(req.boundary_dtype())) {
             return Status(StatusCode::INVALID_ARGUMENT,
                           "boundary_dtype: unknown dtype " + std::to_string(req.boundary_dtype()));
         }
@@ -276,13 +277,11 @@ private:
                 return Status(StatusCode::INVALID_ARGUMENT, "boundary.shape: n_tokens " + std::to_string(n) +
                                                                  " outside [1, " + std::to_string(desc_.n_batch) + "]");
             }
-            dgr::DType dt;
-            switch (b.dtype()) {
-                case dgr::v1::DTYPE_F32: dt = dgr::DType::f32; break;
-                case dgr::v1::DTYPE_F16: dt = dgr::DType::f16; break;
-                case dgr::v1::DTYPE_BF16: dt = dgr::DType::bf16; break;
-                default: return Status(StatusCode::INVALID_ARGUMENT, "boundary.dtype: unknown dtype " + std::to_string(b.dtype()));
+            const std::optional<dgr::DType> wire = from_wire(b.dtype());
+            if (!wire) {
+                return Status(StatusCode::INVALID_ARGUMENT, "boundary.dtype: unknown dtype " + std::to_string(b.dtype()));
             }
+            const dgr::DType dt = *wire;
             const uint64_t want = n * hc * n_embd * dgr::dtype_size(dt);
             if (b.payload().size() != want) {
                 return Status(StatusCode::INVALID_ARGUMENT, "boundary.payload: " + std::to_string(b.payload().size()) +
@@ -354,15 +353,20 @@ private:
         return Status::OK;
     }
 
-    static dgr::DType out_dtype(const dgr::v1::ForwardRequest & req, dgr::DType fallback) {
-        // the coordinator's choice; else the head answers in f32 and later stages in the dtype
-        // they were sent
-        switch (req.boundary_dtype()) {
+    static std::optional<dgr::DType> from_wire(int dtype) {
+        switch (dtype) {
             case dgr::v1::DTYPE_F32: return dgr::DType::f32;
             case dgr::v1::DTYPE_F16: return dgr::DType::f16;
             case dgr::v1::DTYPE_BF16: return dgr::DType::bf16;
-            default: return req.has_boundary() ? fallback : dgr::DType::f32;
+            default: return std::nullopt;
         }
+    }
+
+    static dgr::DType out_dtype(const dgr::v1::ForwardRequest & req, dgr::DType fallback) {
+        // the coordinator's choice; else the head answers in f32 and later stages in the dtype
+        // they were sent
+        if (const auto chosen = from_wire(req.boundary_dtype())) return *chosen;
+        return req.has_boundary() ? fallback : dgr::DType::f32;
     }
 
     std::unique_ptr<dgr::ShardEngine> engine_;

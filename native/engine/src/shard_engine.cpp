@@ -19,6 +19,12 @@ namespace dgr {
 namespace {
 
 const std::set<std::string> kRangeArchs = {"llama", "gemma3", "qwen2", "qwen3", "deepseek2", "deepseek4"};
+std::string range_archs() {
+    std::string out;
+    for (const auto & arch : kRangeArchs) out += (out.empty() ? "" : ", ") + arch;
+    return out;
+}
+
 // archs whose stages after the head take the residual through llama_dgr_set_boundary (patch 0004)
 const std::set<std::string> kStagedBoundaryArchs = {"deepseek4"};
 
@@ -157,7 +163,7 @@ public:
         }
         if ((first != 0 || last != n_layer) && !range_supported(arch)) {
             throw ShardError(Status::unsupported_arch,
-                             "range ownership is not implemented for arch '" + arch + "' (supported: llama, gemma3, qwen2, qwen3, deepseek2, deepseek4)");
+                             "range ownership is not implemented for arch '" + arch + "' (supported: " + range_archs() + ")");
         }
 
         llama_model_params mparams = llama_model_default_params();
