@@ -8,6 +8,7 @@
 #include "llama-ext.h"  // llama_get_memory_breakdown (exported, from the pinned tree's src/)
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -244,6 +245,16 @@ public:
 
     Description describe() const override { return desc_; }
 
+    size_t session_count() const override { return n_sessions_.load(); }
+
+    bool release_epoch(uint64_t session, uint64_t epoch) override {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = sessions_.find(session);
+        if (it == sessions_.end() || it->second.epoch != epoch) return false;
+        drop(session);
+        return true;
+    }
+
     std::vector<uint64_t> sessions() const override {
         std::lock_guard<std::mutex> lock(mutex_);
         std::vector<uint64_t> ids;
@@ -326,10 +337,143 @@ public:
     }
 
     ForwardResult forward(const ForwardRequest & req, DType out_dtype) override {
+        std::vector<BatchItem> one(1);
+        one[0].request = req;
+        one[0].out_dtype = out_dtype;
+        forward_batch(one);
+        if (one[0].error) std::rethrow_exception(one[0].error);
+        return std::move(one[0].result);
+    }
+
+    void forward_batch(std::vector<BatchItem> & items) override {
+        const int32_t n_embd = desc_.boundary.n_embd * desc_.boundary.hc;  // one residual row
+        std::lock_guard<std::mutex> lock(mutex_);
+        // admit each item on its own: a refused one gets its error and leaves its session as it
+        // was; the rest compute together
+        struct Live {
+            BatchItem * item;
+            Session * session;
+            bool opened;
+            int32_t offset;  // of its first token in the batch
+        };
+        std::vector<Live> live;
+        int32_t total = 0;
+        for (auto & item : items) {
+            try {
+                const ForwardRequest & req = item.request;
+                check(req);
+                for (const Live & l : live) {
+                    if (l.item->request.session == req.session) {
+                        throw ShardError(Status::invalid_argument,
+                                         "session " + std::to_string(req.session) + " twice in one batch");
+                    }
+                }
+                if (total + req.n_tokens > options_.n_batch) {
+                    throw ShardError(Status::capacity, "the batch would exceed n_batch " + std::to_string(options_.n_batch));
+                }
+                const bool opened = sessions_.count(req.session) == 0;
+                Session & s = admit(req);
+                if (s.n_past + req.n_tokens > options_.n_ctx) {
+                    if (opened) drop(req.session);  // a refused forward holds no slot
+                    throw ShardError(Status::capacity, "session " + std::to_string(req.session) + " at n_past " +
+                                                           std::to_string(s.n_past) + " + " + std::to_string(req.n_tokens) +
+                                                           " tokens would exceed n_ctx " + std::to_string(options_.n_ctx));
+                }
+                live.push_back({&item, &s, opened, total});
+                total += req.n_tokens;
+            } catch (...) {
+                item.error = std::current_exception();
+            }
+        }
+        if (live.empty()) return;
+
+        // the head and staged-boundary stages carry token ids in the batch (a stage that owns no
+        // hash-routed layer never reads them: zeros when no sideband came); other stages carry the
+        // boundary in batch.embd
+        const bool tokens_in_batch = desc_.is_head || staged_boundary_;
+        llama_batch batch = llama_batch_init(total, tokens_in_batch ? 0 : n_embd, 1);
+        batch.n_tokens = total;
+        if (staged_boundary_ && !desc_.is_head) staging_.resize((size_t) total * n_embd);
+        for (const Live & l : live) {
+            const ForwardRequest & req = l.item->request;
+            if (tokens_in_batch) {
+                if (req.tokens != nullptr) {
+                    std::memcpy(batch.token + l.offset, req.tokens, sizeof(int32_t) * req.n_tokens);
+                } else {
+                    std::fill(batch.token + l.offset, batch.token + l.offset + req.n_tokens, 0);
+                }
+            }
+            if (!desc_.is_head) {
+                float * rows = staged_boundary_ ? staging_.data() : batch.embd;
+                to_f32(req.boundary, req.boundary_dtype, rows + (size_t) l.offset * n_embd, (int64_t) req.n_tokens * n_embd);
+            }
+            for (int32_t i = 0; i < req.n_tokens; ++i) {
+                const int32_t k = l.offset + i;
+                batch.pos[k] = l.session->n_past + i;
+                batch.n_seq_id[k] = 1;
+                batch.seq_id[k][0] = l.session->seq;
+                batch.logits[k] = (!desc_.is_tail || req.logits_all || i == req.n_tokens - 1) ? 1 : 0;
+            }
+        }
+        int32_t rc = 0;
+        std::string detail;
+        if (staged_boundary_ && !desc_.is_head && llama_dgr_set_boundary(ctx_, staging_.data(), total, n_embd) != 0) {
+            rc = -1;
+            detail = "boundary rejected: " + take_or("no detail");
+        } else {
+            rc = llama_decode(ctx_, batch);
+            if (rc != 0) detail = "llama_decode returned " + std::to_string(rc) + ": " + take_or("no detail");
+        }
+        llama_batch_free(batch);
+        if (rc != 0) {
+            // keep every cache equal to what its coordinator believes: drop anything half-written;
+            // a cache that cannot roll back (V4 compressor state) drops the session, whose next
+            // forward then asks for a re-prefill
+            const Status status = rc == 1 ? Status::capacity : rc == -1 ? Status::invalid_argument : Status::decode_failed;
+            for (const Live & l : live) {
+                const uint64_t id = l.item->request.session;
+                if (l.opened || !llama_memory_seq_rm(llama_get_memory(ctx_), l.session->seq, l.session->n_past, -1)) {
+                    drop(id);
+                }
+                l.item->error = std::make_exception_ptr(ShardError(status, detail));
+            }
+            return;
+        }
+        const float * embd = desc_.is_tail ? nullptr : llama_get_embeddings(ctx_);
+        for (const Live & l : live) {
+            const ForwardRequest & req = l.item->request;
+            l.session->n_past += req.n_tokens;
+            ForwardResult & out = l.item->result;
+            out.n_past = l.session->n_past;
+            if (desc_.is_tail) {
+                const int32_t n_rows = req.logits_all ? req.n_tokens : 1;
+                out.is_logits = true;
+                out.n_rows = n_rows;
+                out.row_width = desc_.n_vocab;
+                out.dtype = DType::f32;
+                out.data.resize((size_t) n_rows * desc_.n_vocab * sizeof(float));
+                for (int32_t r = 0; r < n_rows; ++r) {
+                    const int32_t i = l.offset + (req.logits_all ? r : req.n_tokens - 1);
+                    std::memcpy(out.data.data() + (size_t) r * desc_.n_vocab * sizeof(float),
+                                llama_get_logits_ith(ctx_, i), sizeof(float) * desc_.n_vocab);
+                }
+            } else {
+                out.n_rows = req.n_tokens;
+                out.row_width = n_embd;
+                out.dtype = l.item->out_dtype;
+                const int64_t n = (int64_t) req.n_tokens * n_embd;
+                out.data.resize((size_t) n * dtype_size(out.dtype));
+                from_f32(embd + (size_t) l.offset * n_embd, out.dtype, out.data.data(), n);
+            }
+        }
+    }
+
+private:
+    // what a forward must satisfy before llama.cpp sees it
+    void check(const ForwardRequest & req) const {
         if (options_.estimate_only) {
             throw ShardError(Status::invalid_argument, "this engine only estimates memory (estimate_only): it cannot run");
         }
-        const int32_t n_embd = desc_.boundary.n_embd * desc_.boundary.hc;  // one residual row
         if (req.n_tokens < 1 || req.n_tokens > options_.n_batch) {
             throw ShardError(Status::invalid_argument, "n_tokens " + std::to_string(req.n_tokens) +
                                                            " outside [1, " + std::to_string(options_.n_batch) + "]");
@@ -359,91 +503,14 @@ public:
             }
         }
 
-        std::lock_guard<std::mutex> lock(mutex_);
-        Session & s = admit(req);
-        if (s.n_past + req.n_tokens > options_.n_ctx) {
-            throw ShardError(Status::capacity, "session " + std::to_string(req.session) + " would exceed n_ctx " +
-                                                   std::to_string(options_.n_ctx));
-        }
-
-        // the head and staged-boundary stages carry token ids in the batch (a stage that owns no
-        // hash-routed layer never reads them: zeros when no sideband came); other stages carry the
-        // boundary in batch.embd
-        const bool tokens_in_batch = desc_.is_head || staged_boundary_;
-        llama_batch batch = llama_batch_init(req.n_tokens, tokens_in_batch ? 0 : n_embd, 1);
-        batch.n_tokens = req.n_tokens;
-        if (tokens_in_batch) {
-            if (req.tokens != nullptr) {
-                std::memcpy(batch.token, req.tokens, sizeof(int32_t) * req.n_tokens);
-            } else {
-                std::fill(batch.token, batch.token + req.n_tokens, 0);
-            }
-        }
-        if (!desc_.is_head) {
-            if (staged_boundary_) {
-                staging_.resize((size_t) req.n_tokens * n_embd);
-                to_f32(req.boundary, req.boundary_dtype, staging_.data(), (int64_t) req.n_tokens * n_embd);
-                if (llama_dgr_set_boundary(ctx_, staging_.data(), req.n_tokens, n_embd) != 0) {
-                    llama_batch_free(batch);
-                    throw ShardError(Status::invalid_argument, take_or("boundary rejected"));
-                }
-            } else {
-                to_f32(req.boundary, req.boundary_dtype, batch.embd, (int64_t) req.n_tokens * n_embd);
-            }
-        }
-        for (int32_t i = 0; i < req.n_tokens; ++i) {
-            batch.pos[i] = s.n_past + i;
-            batch.n_seq_id[i] = 1;
-            batch.seq_id[i][0] = s.seq;
-            batch.logits[i] = (!desc_.is_tail || req.logits_all || i == req.n_tokens - 1) ? 1 : 0;
-        }
-        const int32_t rc = llama_decode(ctx_, batch);
-        llama_batch_free(batch);
-        if (rc != 0) {
-            // keep the cache equal to what the coordinator believes: drop anything half-written;
-            // a cache that cannot roll back (V4 compressor state) drops the session, whose next
-            // forward then asks for a re-prefill
-            if (!llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, s.n_past, -1)) {
-                drop(req.session);
-            }
-            throw ShardError(rc == 1 ? Status::capacity : Status::decode_failed,
-                             "llama_decode returned " + std::to_string(rc) + ": " + take_or("no detail"));
-        }
-        s.n_past += req.n_tokens;
-
-        ForwardResult out;
-        out.n_past = s.n_past;
-        if (desc_.is_tail) {
-            const int32_t n_rows = req.logits_all ? req.n_tokens : 1;
-            out.is_logits = true;
-            out.n_rows = n_rows;
-            out.row_width = desc_.n_vocab;
-            out.dtype = DType::f32;
-            out.data.resize((size_t) n_rows * desc_.n_vocab * sizeof(float));
-            for (int32_t r = 0; r < n_rows; ++r) {
-                const int32_t i = req.logits_all ? r : req.n_tokens - 1;
-                const float * row = llama_get_logits_ith(ctx_, i);
-                std::memcpy(out.data.data() + (size_t) r * desc_.n_vocab * sizeof(float), row,
-                            sizeof(float) * desc_.n_vocab);
-            }
-        } else {
-            const float * embd = llama_get_embeddings(ctx_);
-            out.n_rows = req.n_tokens;
-            out.row_width = n_embd;
-            out.dtype = out_dtype;
-            const int64_t n = (int64_t) req.n_tokens * n_embd;
-            out.data.resize((size_t) n * dtype_size(out_dtype));
-            from_f32(embd, out_dtype, out.data.data(), n);
-        }
-        return out;
     }
 
-private:
     void drop(uint64_t session) {
         auto it = sessions_.find(session);
         llama_memory_seq_rm(llama_get_memory(ctx_), it->second.seq, -1, -1);
         free_seqs_.push_back(it->second.seq);
         sessions_.erase(it);
+        n_sessions_.store(sessions_.size());
     }
 
     Session & admit(const ForwardRequest & req) {
@@ -462,7 +529,9 @@ private:
             free_seqs_.pop_back();
             s.epoch = req.epoch;
             llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, -1, -1);
-            return sessions_.emplace(req.session, s).first->second;
+            Session & added = sessions_.emplace(req.session, s).first->second;
+            n_sessions_.store(sessions_.size());
+            return added;
         }
         Session & s = it->second;
         if (req.epoch < s.epoch) {
@@ -512,6 +581,7 @@ private:
     std::vector<float> staging_;
     mutable std::mutex mutex_;
     std::map<uint64_t, Session> sessions_;
+    std::atomic<size_t> n_sessions_{0};
     std::vector<llama_seq_id> free_seqs_;
 };
 

@@ -117,3 +117,47 @@ def test_session_slots_are_bounded(smollm2: Path, descriptor: list[str]) -> None
         route.close()
     finally:
         whole.stop()
+
+
+def test_batched_sessions_equal_their_solo_logits(
+    engine_module: object, smollm2: Path, fleet: list[WorkerProcess]
+) -> None:
+    """Decode steps of sessions that wait at a stage together are computed in one llama_decode;
+    each session's logits still equal its solo run bit for bit (the largest difference is 0)."""
+    import numpy as np
+    from dgr.v1 import shard_pb2 as pb
+    from dgr.v1 import shard_pb2_grpc as pb_grpc
+    from dgr_route.cli import Tokenizer
+
+    tokenizer = Tokenizer(smollm2)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    route = Route.open([w.address for w in fleet], timeout=60)
+    steps = 24
+    alone = [list(route.trace(p, steps)) for p in prompts]
+    together: list[list[tuple[int, np.ndarray]]] = [[] for _ in prompts]
+    start = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        start.wait()
+        together[i] = list(route.trace(prompts[i], steps))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    route.close()
+    widest = [
+        pb_grpc.ShardServiceStub(grpc.insecure_channel(w.address))
+        .Health(pb.HealthRequest(), timeout=10)
+        .widest_batch
+        for w in fleet
+    ]
+    assert max(widest) >= 2, f"no stage ever batched: {widest}"
+    worst = 0.0
+    for a, b in zip(alone, together, strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        worst = max(
+            worst, max(float(np.max(np.abs(x - y))) for (_, x), (_, y) in zip(a, b, strict=True))
+        )
+    assert worst == 0.0

@@ -54,21 +54,39 @@ def route_of(
     workers: dict[tuple[int, int], WorkerProcess],
     layout: list[tuple[int, int]],
     timeout: float = 30.0,
+    mode: str = "forward",
 ) -> Route:
-    return Route.open([workers[r].address for r in layout], timeout=timeout)
+    return Route.open([workers[r].address for r in layout], timeout=timeout, mode=mode)
 
 
+@pytest.mark.parametrize("mode", ["forward", "relay"])
 @pytest.mark.parametrize("n_stages", [2, 3, 4])
 def test_greedy_output_equals_single_process(
     workers: dict[tuple[int, int], WorkerProcess],
     reference: tuple[list[int], list[int]],
     n_stages: int,
+    mode: str,
 ) -> None:
     prompt, expected = reference
-    route = route_of(workers, LAYOUTS[n_stages])
+    route = route_of(workers, LAYOUTS[n_stages], mode=mode)
     got = list(route.generate(prompt, 64))
     route.close()
     assert got == expected[:64]
+    for r in LAYOUTS[n_stages]:  # every stage frees the session when its stream ends
+        wait_idle(workers[r].address)
+
+
+def test_forward_mode_stops_at_stop_ids_and_max_tokens(
+    workers: dict[tuple[int, int], WorkerProcess], reference: tuple[list[int], list[int]]
+) -> None:
+    prompt, expected = reference
+    route = route_of(workers, LAYOUTS[3])
+    assert list(route.generate(prompt, 5)) == expected[:5]
+    stop = expected[6]
+    first = expected.index(stop)
+    assert list(route.generate(prompt, 64, stop={stop})) == expected[: first + 1]
+    assert list(route.generate(prompt, 0)) == []
+    route.close()
 
 
 def test_long_prompt_is_chunked(
@@ -123,6 +141,18 @@ def test_incompatible_descriptor_names_stage_and_field(
         assert info.value.stage == 1
     finally:
         other.stop()
+
+
+def wait_idle(address: str, within: float = 5.0) -> None:
+    """Until the worker holds no session and no queued forward (streams wind down promptly)."""
+    s = pb_grpc.ShardServiceStub(grpc.insecure_channel(address))
+    deadline = time.monotonic() + within
+    while True:
+        health = s.Health(pb.HealthRequest(), timeout=10)
+        if health.sessions == 0 and health.queue_depth == 0:
+            return
+        assert time.monotonic() < deadline, f"{address} still holds {health.sessions} sessions"
+        time.sleep(0.05)
 
 
 def stub(worker: WorkerProcess) -> pb_grpc.ShardServiceStub:
@@ -231,6 +261,50 @@ def test_a_worker_killed_mid_generation_is_named(
     finally:
         for w in fleet:
             w.stop()
+
+
+def test_a_hung_stage_is_named_within_the_deadline(
+    smollm2: Path, descriptor: list[str], reference: tuple[list[int], list[int]]
+) -> None:
+    fleet = [start_worker(smollm2, a, b, descriptor=descriptor, n_ctx=512) for a, b in LAYOUTS[3]]
+    try:
+        route = Route.open([w.address for w in fleet], timeout=4)
+        prompt, _ = reference
+        stream = route.generate(prompt, 64)
+        for _ in range(3):
+            next(stream)
+        fleet[1].proc.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(RouteError) as info:
+            for _ in stream:
+                pass
+        elapsed = time.monotonic() - started
+        assert info.value.stage == 1 and fleet[1].address in str(info.value)
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert elapsed < 4 + 2 + 1  # the timeout, the Health probe, slack
+    finally:
+        fleet[1].proc.send_signal(signal.SIGCONT)
+        for w in fleet:
+            w.stop()
+
+
+def test_a_refusal_down_the_route_names_that_stage(
+    smollm2: Path, descriptor: list[str], workers: dict[tuple[int, int], WorkerProcess]
+) -> None:
+    small_tail = start_worker(smollm2, 20, 30, descriptor=descriptor, n_ctx=64)
+    try:
+        addresses = [workers[(0, 10)].address, workers[(10, 20)].address, small_tail.address]
+        route = Route.open(addresses, timeout=30)
+        with pytest.raises(RouteError) as info:
+            list(route.generate(list(range(1000, 1100)), 4))  # 100 tokens, the tail has 64
+        assert info.value.stage == 2 and info.value.address == small_tail.address
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "n_ctx" in info.value.what
+        route.close()
+        for address in addresses:
+            wait_idle(address)
+    finally:
+        small_tail.stop()
 
 
 def test_health_describe_and_drain(smollm2: Path, descriptor: list[str]) -> None:

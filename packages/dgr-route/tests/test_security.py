@@ -41,7 +41,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
         str(d / "ca.pem"),
     )
     for name, ext in [
-        ("worker", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
+        # a worker serves clients and, in forward mode, is the client of its next stage
+        (
+            "worker",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth",
+        ),
         ("client", "extendedKeyUsage=clientAuth"),
     ]:
         (d / f"{name}.ext").write_text(ext + "\n")
@@ -135,6 +139,48 @@ def test_mutual_tls_needs_a_client_certificate(
     )
     client = Security.from_files(ca=pki / "ca.pem", cert=pki / "client.pem", key=pki / "client.key")
     assert generates(worker, client)
+
+
+def test_forward_mode_links_authenticate_worker_to_worker(smollm2: Path, pki: Path) -> None:
+    """Three mTLS + token workers: each reaches the next stage (and the tail the head) with its
+    own certificate and token, so the route generates; a middle stage refuses a boundary from
+    a peer that cannot authenticate, and the route names the stage that refused."""
+    descriptor = descriptor_args(smollm2)
+    secure = [
+        "--tls-cert",
+        str(pki / "worker.pem"),
+        "--tls-key",
+        str(pki / "worker.key"),
+        "--tls-client-ca",
+        str(pki / "ca.pem"),
+        "--auth-token-file",
+        str(pki / "token"),
+    ]
+    client = Security.from_files(
+        ca=pki / "ca.pem", cert=pki / "client.pem", key=pki / "client.key", token_file=pki / "token"
+    )
+    layout = [(0, 10), (10, 20), (20, 30)]
+    fleet = [
+        start_worker(smollm2, a, b, descriptor=descriptor, n_ctx=256, extra=secure)
+        for a, b in layout
+    ]
+    # a head with the certificate but without the route's token: its peers refuse it
+    impostor = start_worker(smollm2, 0, 10, descriptor=descriptor, n_ctx=256, extra=secure[:-2])
+    try:
+        route = Route.open([w.address for w in fleet], timeout=10, security=client)
+        assert len(list(route.generate([1, 2, 3], 4))) == 4
+        route.close()
+        mixed = Route.open(
+            [impostor.address, fleet[1].address, fleet[2].address], timeout=10, security=client
+        )
+        with pytest.raises(RouteError) as info:
+            list(mixed.generate([1, 2, 3], 4))
+        assert info.value.stage == 1 and info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert "missing authorization" in info.value.what
+        mixed.close()
+    finally:
+        for w in [*fleet, impostor]:
+            w.stop()
 
 
 def test_secrets_come_in_pairs_and_from_files(pki: Path, tmp_path: Path) -> None:

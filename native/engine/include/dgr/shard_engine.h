@@ -4,6 +4,9 @@
 // token ids; every other stage takes the residual boundary leaving the previous stage. A stage
 // before the tail emits the residual leaving its last layer; the tail emits logits.
 //
+// A forward that is refused (bad input, no room in n_ctx, decode failure) leaves every session as
+// it was: a session the refused forward would have opened holds no slot afterwards.
+//
 // Sessions map to llama sequence ids. A session's KV cache is local to the shard and belongs to
 // one epoch: every forward states its cache expectation (epoch, n_past), and a mismatch is a
 // typed error (Status::cache_mismatch), never a wrong answer. A new epoch starts at n_past == 0
@@ -14,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -57,7 +61,8 @@ struct EngineOptions {
     int32_t n_ctx = 2048;       // per session
     int32_t n_batch = 512;      // most tokens one forward may carry
     int32_t max_sessions = 4;
-    int32_t poll = 50;          // threadpool spin level between graphs (0: sleep, 100: spin)
+    int32_t poll = 0;           // threadpool spin level between graphs (0: sleep, 100: spin); a
+                                // spinning pool steals the cores the next stage computes on
     bool load_mtp = false;      // MTP (nextn) layers: reserved, refused in alpha
     bool estimate_only = false; // llama.cpp's dry run: describe() reports the memory the range
                                 // would take (weights, KV, compute) without allocating it;
@@ -113,6 +118,15 @@ struct ForwardResult {
     int32_t n_past = 0;                 // tokens in the session after this forward
 };
 
+// One forward of a batch: the request, its output dtype, and after forward_batch either its result
+// or its error (a ShardError).
+struct BatchItem {
+    ForwardRequest request;
+    DType out_dtype = DType::f32;
+    ForwardResult result;
+    std::exception_ptr error;
+};
+
 class ShardEngine {
 public:
     static std::unique_ptr<ShardEngine> open(const EngineOptions & options);
@@ -120,8 +134,18 @@ public:
 
     virtual Description describe() const = 0;
     virtual ForwardResult forward(const ForwardRequest & request, DType out_dtype = DType::f32) = 0;
+    // Several sessions' forwards in one llama_decode, one sequence each (as llama-server batches
+    // its slots). Each item is checked and admitted on its own: a refused one gets its error and
+    // its session is untouched, the others compute together; a failed decode fails them all and
+    // rolls each back. Sessions must differ, and the tokens together fit n_batch.
+    virtual void forward_batch(std::vector<BatchItem> & items) = 0;
     virtual void release(uint64_t session) = 0;
+    // release the session only while it is at `epoch` (a stream of an older epoch ending after a
+    // route change must not drop the newer cache); returns whether it released
+    virtual bool release_epoch(uint64_t session, uint64_t epoch) = 0;
     virtual std::vector<uint64_t> sessions() const = 0;
+    // sessions holding a slot; never waits behind a forward in progress
+    virtual size_t session_count() const = 0;
 
     // the model's tokenizer (every stage loads the vocabulary)
     virtual std::vector<int32_t> tokenize(const std::string & text, bool add_special) const = 0;

@@ -27,13 +27,22 @@ from dgr_llamacpp.workspace import NativeWorkspace
 # FACTS.md: these CPUs advertise AMX but the VM does not enable it; a -march=native build then
 # dies with SIGILL in ggml_backend_amx_mul_mat. Users' machines can hit the same.
 AMX_OFF = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# DGR's lanes compute through ggml's own threadpool, which the engine creates and tunes, not
+# OpenMP: OpenMP gives every thread that calls llama_decode a team of its own, a worker calls from
+# gRPC's many handler threads, and once the teams outnumber the cores libgomp stops spinning at
+# barriers and sleeps on a futex at every op (measured: a 1-stage route at 2 threads ran at a
+# third of the same engine in one process). ggml's pool has fixed workers whatever the caller,
+# spins only inside a graph, and sleeps between graphs (the engine's `poll`), so an idle stage
+# leaves the cores to the one computing.
+NO_OPENMP = "-DGGML_OPENMP=OFF"
 LANE_OPTIONS = {
-    "cpu": [],
-    "cpu-rpc": ["-DGGML_RPC=ON"],  # llama.cpp's own RPC backend, the bench's baseline
-    "cuda": ["-DGGML_CUDA=ON"],
-    "rocm": ["-DGGML_HIP=ON"],
-    "vulkan": ["-DGGML_VULKAN=ON"],
-    "metal": ["-DGGML_METAL=ON"],
+    "cpu": [NO_OPENMP],
+    # llama.cpp's own RPC backend as it ships (OpenMP on): the bench's baseline
+    "cpu-rpc": ["-DGGML_RPC=ON"],
+    "cuda": [NO_OPENMP, "-DGGML_CUDA=ON"],
+    "rocm": [NO_OPENMP, "-DGGML_HIP=ON"],
+    "vulkan": [NO_OPENMP, "-DGGML_VULKAN=ON"],
+    "metal": [NO_OPENMP, "-DGGML_METAL=ON"],
 }
 DEFAULT_TARGETS = ["llama", "llama-gguf-split", "llama-completion", "llama-bench"]
 

@@ -100,6 +100,28 @@ def cmd_site(paths: RepoPaths, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gate(paths: RepoPaths, args: argparse.Namespace) -> int:
+    from dgr_prd import gate
+    from dgr_prd.metrics import report
+
+    rows = gate.evaluate(paths, _load(paths), args.gate)
+    print(f"gate {args.gate}:")
+    print("\n".join(gate.table(rows)))
+    missed = [r for r in rows if not r.passed]
+    report(
+        "gate",
+        {
+            "gate": args.gate,
+            "thresholds": len(rows),
+            "passed": len(rows) - len(missed),
+            "missed": [r.metric for r in missed],
+        },
+    )
+    for r in missed:
+        print(f"{r.metric}: {r.verdict} (threshold {r.op} {r.threshold:g})", file=sys.stderr)
+    return 1 if missed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dgr-prd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -111,10 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
         "fingerprint": (cmd_fingerprint, "print this machine's hardware fingerprint and lanes"),
         "check-legacy": (cmd_check_legacy, "DGR-017: no legacy specs, prd.json the authority"),
         "site": (cmd_site, "generate the evidence-site pages into docs/generated/"),
+        "gate": (cmd_gate, "check a gate's thresholds (prd.json) against the newest evidence"),
     }
     for name, (func, help_text) in commands.items():
         p = sub.add_parser(name, help=help_text)
         p.set_defaults(func=func)
+        if name == "gate":
+            p.add_argument("gate", help="gate id, e.g. alpha")
         if name == "project":
             p.add_argument("--check", action="store_true", help="fail when anything is stale")
         if name == "run-story":

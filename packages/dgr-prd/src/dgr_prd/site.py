@@ -218,8 +218,8 @@ def render_dashboard(paths: RepoPaths, prd: Prd) -> str:
 
 
 def _route_bench_plot(by_threads: dict[str, Any], out: Path) -> None:
-    fig, ax = plt.subplots(figsize=(8, 3.2))
     setups = list(next(iter(by_threads.values()))["rows"])
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.75 * len(setups)), 3.6))
     width = 0.8 / max(len(by_threads), 1)
     for i, (threads, result) in enumerate(sorted(by_threads.items())):
         xs = [n + i * width for n in range(len(setups))]
@@ -290,6 +290,27 @@ def render_benchmarks(paths: RepoPaths, plots: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_gates(paths: RepoPaths, prd: Prd) -> str:
+    """Each gate's thresholds against the newest evidence (what `dgr-prd gate ID` checks); the
+    home page includes this file."""
+    from dgr_prd import gate
+
+    lines: list[str] = []
+    for g in prd.gates:
+        rows = gate.evaluate(paths, prd, g.id.value)
+        passed = sum(r.passed for r in rows)
+        lines += [
+            f"### Gate: {g.id.value}",
+            "",
+            f"{g.description} {passed} of {len(rows)} thresholds pass "
+            f"(`dgr-prd gate {g.id.value}`).",
+            "",
+            *gate.table(rows),
+            "",
+        ]
+    return "\n".join(lines)
+
+
 def generate(paths: RepoPaths, prd: Prd) -> list[Path]:
     out = paths.generated_docs
     if out.exists():
@@ -301,6 +322,7 @@ def generate(paths: RepoPaths, prd: Prd) -> list[Path]:
         out / "dashboard.md": render_dashboard(paths, prd),
         out / "prd.md": paths.prd_md.read_text(encoding="utf-8"),
         out / "benchmarks.md": render_benchmarks(paths, plots),
+        out / "gates.md": render_gates(paths, prd),
         out / "stories" / "index.md": "# Stories\n\n"
         + "\n".join(f"- [{s.id}: {s.title}]({s.id}.md) ({s.status.value})" for s in prd.stories)
         + "\n",

@@ -29,7 +29,7 @@ DECODE_TOKENS = 16
 
 def decode_traffic(addresses: list[str], wire_dtype: str, n_vocab: int) -> tuple[SeamTraffic, ...]:
     """(prefill, decode) traffic of one generation over the route with this wire dtype."""
-    route = Route.open(addresses, wire_dtype=wire_dtype)
+    route = Route.open(addresses, wire_dtype=wire_dtype, mode="relay")  # counts what it carries
     prompt = np.random.default_rng(0).integers(0, n_vocab, PROMPT_TOKENS)
     stream = route.generate([int(t) for t in prompt], DECODE_TOKENS + 1)
     next(stream)  # the prefill: one message per chunk, not what a decode step costs

@@ -1,15 +1,19 @@
-"""Routes over simulated WAN links (`dgr_route.netsim` proxies in front of every worker).
+"""Routes over simulated WAN links (`dgr_route.netsim` proxies in front of every worker, so every
+link is delayed: coordinator to head, stage to stage, and the tail's tokens back to the head).
 
-`nox -s bench-wan` (DGR-062): decode tokens/s of a 3-stage DGR route and of llama.cpp RPC (two
-ggml-rpc-servers, -ts 1/1) at 0, 1 and 10 ms of added one-way latency, as ratios measured in
-the same run. Writes evidence/bench/bench-wan.json.
+`nox -s bench-wan` (DGR-062): decode tokens/s of DGR routes (forward mode with 3 and 2 stages,
+relay mode with 3) and of llama.cpp RPC (two ggml-rpc-servers, -ts 1/1) at 0, 1 and 10 ms of
+added one-way latency, measured in the same run, each DGR row beside its physical floor: the
+whole model's compute per token in one process plus the one-way hops a token must make times
+the delay (forward: one per stage, a ring; relay: two per stage). Writes
+evidence/bench/bench-wan.json.
 
-`nox -s bench-seam` (DGR-053): the seam-cost model. The coordinator relays, so a decode token
-makes one round trip to every stage; through links of latency d and bandwidth B each stage costs
-2·d plus the bytes it receives and sends divided by B. The model predicts a token's time as the
-time measured through zero-latency links plus that sum, and is checked against measurements at
-1 and 10 ms, within 20% (the gate); the same check through a 10 Mbit/s link is reported beside
-it (the proxy's pacing in Python is coarse at that rate, so it is not gated). Writes
+`nox -s bench-seam` (DGR-053): the seam-cost model. In relay mode a decode token makes one round
+trip to every stage; through links of latency d and bandwidth B each stage costs 2·d plus the
+bytes it receives and sends divided by B. The model predicts a token's time as the time measured
+through zero-latency links plus that sum, and is checked against measurements at 1 and 10 ms,
+within 20% (the gate); the same check through a 10 Mbit/s link is reported beside it (the
+proxy's pacing in Python is coarse at that rate, so it is not gated). Writes
 evidence/bench/bench-seam.json.
 """
 
@@ -19,13 +23,14 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
 
-from dgr_route.bench import rpc_servers, time_route
+from dgr_route.bench import engine_in_process, rpc_servers, time_route
 from dgr_route.netsim import start_link
 from dgr_route.route import Route
 from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
@@ -38,11 +43,21 @@ ROUNDS = 3
 PROTOCOL_BYTES = 60  # gRPC/HTTP2 framing and the request's own fields, per message (estimate)
 
 
-def through_links(workers: list[WorkerProcess], latency_ms: float, mbps: float | None) -> float:
-    """Seconds per decode token of the route over `workers`, each behind a simulated link."""
+def hops(mode: str, n_stages: int) -> int:
+    """One-way trips on a decode token's critical path: forward mode is a ring (each stage to the
+    next, the tail back to the head); relay goes to every stage and back."""
+    return n_stages if mode == "forward" else 2 * n_stages
+
+
+def through_links(
+    workers: list[WorkerProcess], latency_ms: float, mbps: float | None, mode: str = "relay"
+) -> float:
+    """Seconds per decode token of the route over `workers`, each behind a simulated link that
+    the coordinator and the other stages alike reach it through."""
     links = [start_link(w.address, latency_ms, mbps) for w in workers]
     try:
-        rate = time_route([link.address for link in links], PROMPT, DECODE_TOKENS, ROUNDS)
+        addresses = [link.address for link in links]
+        rate = time_route(addresses, PROMPT, DECODE_TOKENS, ROUNDS, mode, peers=addresses)
         return 1 / rate["decode"]
     finally:
         for link in links:
@@ -100,10 +115,25 @@ def wan(model: Path, workers: list[WorkerProcess], pair: list[WorkerProcess]) ->
     with_rpc = build(
         open_workspace(), "cpu-rpc", ["llama-bench", "ggml-rpc-server"], log=sys.stderr
     )
-    rows: dict[str, Any] = {}
+    compute_s = 1 / engine_in_process(model, 1, ROUNDS)["decode"]
+    print(f"compute: {compute_s * 1000:.2f} ms per token (whole model, one process, 1 thread)")
+    routes = {
+        "dgr_forward_3stage": ("forward", workers),
+        "dgr_forward_2stage": ("forward", pair),
+        "dgr_relay_3stage": ("relay", workers),
+    }
+    rows: dict[str, Any] = {"compute_ms_per_token": round(compute_s * 1000, 3)}
     for latency in (0, 1, 10):
-        dgr_s = through_links(workers, latency, None)
-        dgr2_s = through_links(pair, latency, None)
+        row: dict[str, Any] = {}
+        for name, (mode, fleet) in routes.items():
+            seconds = through_links(fleet, latency, None, mode)
+            floor = compute_s + hops(mode, len(fleet)) * latency / 1000
+            row[name] = {
+                "decode_tps": round(1 / seconds, 2),
+                "hops": hops(mode, len(fleet)),
+                "floor_tps": round(1 / floor, 2),
+                "of_floor": round(floor / seconds, 3),
+            }
         procs, servers = rpc_servers(with_rpc / "ggml-rpc-server", 2, 1)
         links = [start_link(a, latency) for a in servers]
         try:
@@ -114,19 +144,19 @@ def wan(model: Path, workers: list[WorkerProcess], pair: list[WorkerProcess]) ->
             for p in procs:
                 p.terminate()
                 p.wait(10)
-        rows[f"{latency}ms"] = {
-            "dgr_3stage_decode_tps": round(1 / dgr_s, 2),
-            "dgr_2stage_decode_tps": round(1 / dgr2_s, 2),
-            "rpc_2servers_decode_tps": round(rpc_tps, 2),
-            "dgr_3stage_over_rpc": round((1 / dgr_s) / rpc_tps, 3),
-            "dgr_2stage_over_rpc": round((1 / dgr2_s) / rpc_tps, 3),
-        }
-        print(
-            f"{latency:>3} ms added: DGR 3 stages {1 / dgr_s:6.1f} tok/s, 2 stages "
-            f"{1 / dgr2_s:6.1f} tok/s; llama.cpp RPC 2 servers {rpc_tps:6.1f} tok/s; "
-            f"DGR/RPC {(1 / dgr_s) / rpc_tps:.2f} (3 stages), {(1 / dgr2_s) / rpc_tps:.2f} (2)",
-            flush=True,
-        )
+        row["rpc_2servers_decode_tps"] = round(rpc_tps, 2)
+        for name in routes:
+            row[name]["over_rpc_2servers"] = round(row[name]["decode_tps"] / rpc_tps, 3)
+        rows[f"{latency}ms"] = row
+        print(f"{latency:>3} ms one-way on every link; RPC 2 servers {rpc_tps:.1f} tok/s")
+        for name in routes:
+            r = row[name]
+            print(
+                f"    {name:<20} {r['decode_tps']:6.1f} tok/s  floor {r['floor_tps']:6.1f} "
+                f"({r['hops']} hops)  {r['of_floor']:.2f} of floor  "
+                f"{r['over_rpc_2servers']:.2f}x RPC",
+                flush=True,
+            )
     return rows
 
 
@@ -190,13 +220,17 @@ def main(argv: list[str] | None = None) -> int:
             result = {"model": args.model, "layout": LAYOUT, "by_latency": by_latency}
             name = "bench-wan"
             gate = {
-                f"{k}_{ratio}": v[ratio]
-                for k, v in by_latency.items()
-                for ratio in ("dgr_3stage_over_rpc", "dgr_2stage_over_rpc")
+                f"{latency}_{name}_{ratio}": row[name][ratio]
+                for latency, row in by_latency.items()
+                if isinstance(row, dict)
+                for name in ("dgr_forward_3stage", "dgr_forward_2stage", "dgr_relay_3stage")
+                for ratio in ("of_floor", "over_rpc_2servers")
             }
     finally:
         for w in workers:
             w.stop()
+    result["gate_metrics"] = {name.replace("-", "_"): gate}  # what `dgr-prd gate alpha` reads
+    result["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out = find_root().evidence / "bench"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -63,6 +63,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         *descriptor_args(model),
         "--max-queue",
         str(args.max_queue),
+        "--max-batch",
+        str(args.max_batch),
         *[
             arg
             for flag, value in [
@@ -70,6 +72,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 ("--tls-key", args.tls_key),
                 ("--tls-client-ca", args.tls_client_ca),
                 ("--auth-token-file", args.auth_token_file),
+                ("--peer-ca", args.peer_ca),
             ]
             if value
             for arg in (flag, str(value))
@@ -130,6 +133,7 @@ def open_route(args: argparse.Namespace) -> Route | None:
             args.route.split(","),
             timeout=args.timeout,
             wire_dtype=args.wire_dtype,
+            mode=args.mode,
             security=Security.from_files(
                 args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file
             ),
@@ -140,7 +144,7 @@ def open_route(args: argparse.Namespace) -> Route | None:
 
 
 def add_route_options(p: argparse.ArgumentParser) -> None:
-    """--route, --timeout, --wire-dtype and the TLS/token options: how a client reaches and
+    """--route, --timeout, --wire-dtype, --mode and the TLS/token options: how a client reaches and
     drives a route."""
     p.add_argument("--route", required=True, help="host:port,host:port,... in layer order")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a stage may take per step")
@@ -149,6 +153,13 @@ def add_route_options(p: argparse.ArgumentParser) -> None:
         choices=["f32", "f16", "bf16"],
         default="f32",
         help="the residual on the wire (f32: bitwise equal to one process; bf16 halves the bytes)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=["forward", "relay"],
+        default="forward",
+        help="forward: stages stream to each other, the tail loops tokens back to the head "
+        "(each token crosses each seam once); relay: every boundary passes through this client",
     )
     p.add_argument("--tls-ca", type=Path, help="PEM CA that signed the workers' certificates (TLS)")
     p.add_argument("--tls-cert", type=Path, help="PEM client certificate (workers requiring mTLS)")
@@ -181,6 +192,12 @@ def register_worker(sub: Any) -> None:
         help="forwards that may wait behind the one computing; more get RESOURCE_EXHAUSTED",
     )
     p.add_argument(
+        "--max-batch",
+        type=int,
+        default=16,
+        help="sessions' decode steps computed together in one llama_decode (1: FIFO turns)",
+    )
+    p.add_argument(
         "--mtp", action="store_true", help="serve the MTP block (reserved: refused in alpha)"
     )
     p.add_argument("--tls-cert", type=Path, help="PEM server certificate (serve TLS)")
@@ -189,6 +206,12 @@ def register_worker(sub: Any) -> None:
         "--tls-client-ca", type=Path, help="PEM CA clients' certificates must chain to (mTLS)"
     )
     p.add_argument("--auth-token-file", type=Path, help="require this bearer token on every call")
+    p.add_argument(
+        "--peer-ca",
+        type=Path,
+        help="PEM CA that signed the other workers' certificates (default: --tls-client-ca); the "
+        "worker reaches its next stage and the head with its own certificate and token",
+    )
     p.set_defaults(func=cmd_worker)
 
 

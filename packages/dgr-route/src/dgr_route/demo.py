@@ -39,7 +39,7 @@ def run_demo(args: argparse.Namespace) -> int:
         + ", ".join(f"layers [{w.layers[0]}, {w.layers[1]}) at {w.address}" for w in workers)
     )
     try:
-        route = Route.open([w.address for w in workers], wire_dtype=args.wire_dtype)
+        route = Route.open([w.address for w in workers], wire_dtype=args.wire_dtype, mode=args.mode)
         prompt = tokenizer.encode(args.prompt)
         print(f"prompt ({len(prompt)} tokens): {args.prompt}\n---", flush=True)
         tokens: list[int] = []
@@ -61,7 +61,7 @@ def run_demo(args: argparse.Namespace) -> int:
     decode_rate = (len(tokens) - 1) / max(t2 - first_at, 1e-9)
     print(
         f"\n---\nroute: first token after {first_at - t1:.2f} s ({len(prompt)}-token prefill), "
-        f"decode {decode_rate:.1f} tok/s over {len(workers)} worker processes"
+        f"decode {decode_rate:.1f} tok/s over {len(workers)} worker processes ({args.mode} mode)"
     )
     # the same greedy generation in one process, over the whole model
     ref: list[int] = [int(np.argmax(whole.step(np.asarray(prompt, dtype=np.int32))))]
@@ -92,6 +92,7 @@ def register(sub: Any) -> None:
     p.add_argument("--model", default="smollm2-135m-q4_1")
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--wire-dtype", choices=["f32", "f16", "bf16"], default="f32")
+    p.add_argument("--mode", choices=["forward", "relay"], default="forward")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument(
         "--prompt", default="Three reasons to split a language model across several machines are"

@@ -40,6 +40,7 @@ DEFAULT_MODELS = ["smollm2-135m-q4_1", "dsv4-twin-quick"]
 @dataclass
 class WorkerResult:
     scenario: str
+    mode: str  # forward (stage to stage) or relay (through the coordinator)
     wire_dtype: str
     layout: list[tuple[int, int]]
     steps: int
@@ -47,7 +48,7 @@ class WorkerResult:
     max_abs_diff: float
     top5_overlap: float
     greedy_identical: bool
-    seam_bytes_per_token: dict[str, float]
+    seam_bytes_per_token: dict[str, float]  # measured in relay mode (it passes the coordinator)
     seconds: float
 
 
@@ -80,39 +81,46 @@ def over_workers(
     model: Path,
     scenario: Scenario,
     prompt: np.ndarray,
-    ref_logits: list[np.ndarray],
-    wire_dtype: str = "f32",
-) -> WorkerResult:
-    """The route's logits against `ref_logits`: the single-process run for an f32 wire, the same
-    layout in one process with the same rounding for f16/bf16."""
-    t0 = time.perf_counter()
+    runs: list[tuple[str, str, list[np.ndarray]]],
+) -> list[WorkerResult]:
+    """For each (mode, wire dtype, reference logits): the route's logits against the reference
+    (the single-process run for an f32 wire, the same layout in one process with the same
+    rounding for f16/bf16), over one set of workers."""
     descriptor = descriptor_args(model)
     workers = []
+    results = []
     try:
         for a, b in scenario.layout:
             workers.append(start_worker(model, a, b, descriptor=descriptor, n_ctx=1024))
-        route = Route.open([w.address for w in workers], wire_dtype=wire_dtype)
-        try:
-            trace = list(route.trace([int(t) for t in prompt], len(ref_logits)))
-        finally:
-            route.close()
+        for mode, wire_dtype, ref_logits in runs:
+            t0 = time.perf_counter()
+            route = Route.open([w.address for w in workers], wire_dtype=wire_dtype, mode=mode)
+            try:
+                trace = list(route.trace([int(t) for t in prompt], len(ref_logits)))
+            finally:
+                route.close()
+            got = np.stack([logits for _, logits in trace])
+            want = np.stack(ref_logits)
+            results.append(
+                WorkerResult(
+                    scenario=scenario.name,
+                    mode=mode,
+                    wire_dtype=wire_dtype,
+                    layout=scenario.layout,
+                    steps=len(trace),
+                    bitwise_equal=bool(np.array_equal(got.view(np.uint32), want.view(np.uint32))),
+                    max_abs_diff=float(np.max(np.abs(got - want))),
+                    top5_overlap=top_k_overlap(got, want, 5),
+                    greedy_identical=[t for t, _ in trace]
+                    == [int(np.argmax(x)) for x in ref_logits],
+                    seam_bytes_per_token=route.wire.per_token(),
+                    seconds=time.perf_counter() - t0,
+                )
+            )
     finally:
         for w in workers:
             w.stop()
-    got = np.stack([logits for _, logits in trace])
-    want = np.stack(ref_logits)
-    return WorkerResult(
-        scenario=scenario.name,
-        wire_dtype=wire_dtype,
-        layout=scenario.layout,
-        steps=len(trace),
-        bitwise_equal=bool(np.array_equal(got.view(np.uint32), want.view(np.uint32))),
-        max_abs_diff=float(np.max(np.abs(got - want))),
-        top5_overlap=top_k_overlap(got, want, 5),
-        greedy_identical=[t for t, _ in trace] == [int(np.argmax(x)) for x in ref_logits],
-        seam_bytes_per_token=route.wire.per_token(),
-        seconds=time.perf_counter() - t0,
-    )
+    return results
 
 
 def seam_bytes(hc: int, n_embd: int) -> dict[str, int]:
@@ -143,7 +151,7 @@ def certify(
     )
     print(
         f"{'layout':<40}{'seams':<32}{'f32':>5}{'bf16 NMSE':>11}{'top1':>6}{'top5':>6}"
-        f"{'workers':>9}{'bf16 wire':>10}{'B/tok/seam':>12}"
+        f"{'forward':>9}{'relay':>7}{'bf16 wire':>10}{'B/tok/seam':>12}"
     )
     in_process: list[tuple[Scenario, ParityResult]] = []
     over: list[WorkerResult] = []
@@ -151,24 +159,41 @@ def certify(
         f32 = compare(model, sc.layout, "f32", prompt, ref_logits, ref_tokens)
         bf16 = compare(model, sc.layout, "bf16", prompt, ref_logits, ref_tokens)
         in_process += [(sc, f32), (sc, bf16)]
-        w = over_workers(model, sc, prompt, ref_logits) if workers else None
-        if w:
-            over.append(w)
+        runs: list[WorkerResult] = []
+        if workers:
             bf16_ref = free_run(model, sc.layout, "bf16", prompt, len(ref_logits))
-            over.append(over_workers(model, sc, prompt, bf16_ref, "bf16"))
-        wire = w.seam_bytes_per_token["boundary"] + w.seam_bytes_per_token["sideband"] if w else 0
+            runs = over_workers(
+                model,
+                sc,
+                prompt,
+                [
+                    ("forward", "f32", ref_logits),
+                    ("relay", "f32", ref_logits),
+                    ("forward", "bf16", bf16_ref),
+                    ("relay", "bf16", bf16_ref),
+                ],
+            )
+            over += runs
+
+        def cell(mode: str, dtype: str, runs: list[WorkerResult] = runs) -> str:
+            found = [r for r in runs if r.mode == mode and r.wire_dtype == dtype]
+            return ("yes" if found[0].bitwise_equal else "NO") if found else "-"
+
+        relay = [r for r in runs if r.mode == "relay" and r.wire_dtype == "f32"]
+        wire = sum(relay[0].seam_bytes_per_token.values()) if relay else 0
+        bf16_equal = all(r.bitwise_equal for r in runs if r.wire_dtype == "bf16")
         print(
             f"{sc.name:<40}{','.join(map(str, sc.seams)):<32}"
             f"{'yes' if f32.bitwise_equal else 'NO':>5}{bf16.nmse:>11.2e}"
             f"{bf16.top1_agreement:>6.2f}{bf16.top5_overlap:>6.2f}"
-            f"{('yes' if w.bitwise_equal else 'NO') if w else '-':>9}"
-            f"{('yes' if over[-1].bitwise_equal else 'NO') if w else '-':>10}"
-            f"{f'{wire:.0f}' if w else '-':>12}",
+            f"{cell('forward', 'f32'):>9}{cell('relay', 'f32'):>7}"
+            f"{('yes' if bf16_equal else 'NO') if runs else '-':>10}"
+            f"{f'{wire:.0f}' if runs else '-':>12}",
             flush=True,
         )
     bf16_runs = [r for _, r in in_process if r.boundary_dtype == "bf16"]
-    by_worker = {w.scenario: w for w in over if w.wire_dtype == "f32"}
-    by_worker_bf16 = {w.scenario: w for w in over if w.wire_dtype == "bf16"}
+    by_worker = {(w.scenario, w.mode): w for w in over if w.wire_dtype == "f32"}
+    by_worker_bf16 = {(w.scenario, w.mode): w for w in over if w.wire_dtype == "bf16"}
     per_layout: dict[str, dict[str, Any]] = {}
     for sc, r in in_process:
         entry = per_layout.setdefault(sc.name, {"seams": ",".join(map(str, sc.seams))})
@@ -179,11 +204,16 @@ def certify(
             entry["bf16_nmse"] = r.nmse
             entry["bf16_top1"] = r.top1_agreement
             entry["bf16_top5"] = r.top5_overlap
-        if sc.name in by_worker:
-            entry["workers_max_abs_logit_diff"] = by_worker[sc.name].max_abs_diff
-            entry["workers_greedy_identical"] = by_worker[sc.name].greedy_identical
-        if sc.name in by_worker_bf16:
-            entry["workers_bf16_equal_in_process_bf16"] = by_worker_bf16[sc.name].bitwise_equal
+        for mode in ("forward", "relay"):
+            if (sc.name, mode) in by_worker:
+                entry[f"workers_{mode}_max_abs_logit_diff"] = by_worker[sc.name, mode].max_abs_diff
+                entry[f"workers_{mode}_greedy_identical"] = by_worker[
+                    sc.name, mode
+                ].greedy_identical
+            if (sc.name, mode) in by_worker_bf16:
+                entry[f"workers_{mode}_bf16_equal_in_process_bf16"] = by_worker_bf16[
+                    sc.name, mode
+                ].bitwise_equal
     twin = seam_bytes(int(whole["hc"]), int(whole["n_embd"]))
     metrics: dict[str, Any] = {
         "n_layer": shape.n_layer,
@@ -198,6 +228,7 @@ def certify(
             r.max_abs_diff for _, r in in_process if r.boundary_dtype == "f32"
         ),
         "workers_checked": len(over),
+        "workers_modes": sorted({w.mode for w in over}),
         "workers_all_bitwise": all(w.bitwise_equal and w.greedy_identical for w in over)
         if over
         else None,
@@ -205,18 +236,17 @@ def certify(
         "bf16_top1_min": min(r.top1_agreement for r in bf16_runs),
         "bf16_top5_min": min(r.top5_overlap for r in bf16_runs),
         "residual_bytes_per_token_per_seam": twin,
-        "measured_wire_bytes_per_token_per_seam": over[0].seam_bytes_per_token if over else None,
-        "measured_wire_bytes_per_token_per_seam_bf16": over[1].seam_bytes_per_token
-        if over
-        else None,
         "per_layout": per_layout,
     }
     line = (
         f"seam: {twin['f32']} B/token f32, {twin['bf16']} B/token bf16 "
         f"(hc {whole['hc']} x n_embd {whole['n_embd']})"
     )
-    if over:
-        f32_wire, bf16_wire = over[0].seam_bytes_per_token, over[1].seam_bytes_per_token
+    relayed = {w.wire_dtype: w.seam_bytes_per_token for w in over if w.mode == "relay"}
+    metrics["measured_wire_bytes_per_token_per_seam"] = relayed.get("f32")
+    metrics["measured_wire_bytes_per_token_per_seam_bf16"] = relayed.get("bf16")
+    if relayed:
+        f32_wire, bf16_wire = relayed["f32"], relayed["bf16"]
         line += (
             f"; on the wire {f32_wire['boundary']:.0f} B (f32) or {bf16_wire['boundary']:.0f} B "
             f"(bf16) boundary message + {f32_wire['sideband']:.0f} B token ids per token per seam"

@@ -2,18 +2,23 @@
 
 A route is an ordered list of stages whose layer ranges must be contiguous and cover
 [0, n_layer) exactly, with identical compatibility descriptors; a mismatch names the stage and
-the field. Each session holds one bidirectional Forward stream per stage. The coordinator relays
-each boundary from a stage to the next (see docs/architecture.md for the cost and the planned
-stage-to-stage forwarding) and the tail returns only the sampled token.
+the field. Two modes (docs/architecture.md has the hop counts):
+
+- forward (the default): the coordinator sends the prompt to the head over one Forward stream;
+  each stage streams its boundary straight to the next, the tail returns each sampled token to
+  the head, and the head decodes on and streams the tokens back. The coordinator is off the
+  per-token path; a failure anywhere comes back as a StageError naming the stage.
+- relay: the coordinator holds a stream per stage and carries each boundary from a stage to the
+  next itself, for workers that cannot reach each other.
 """
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import secrets
 import threading
-from collections.abc import Generator, Iterator
+import time
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -33,6 +38,10 @@ COMPAT_FIELDS = (
     "arch",
     "n_layer",
 )
+
+
+MODES = ("forward", "relay")
+STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class RouteError(RuntimeError):
@@ -102,10 +111,19 @@ class _Stream:
 
     def call(self, request: pb.ForwardRequest) -> pb.ForwardReply:
         self.requests.put(request)
+        return self.receive()
+
+    def send(self, request: pb.ForwardRequest) -> None:
+        self.requests.put(request)
+
+    def receive(self, stuck: Callable[[], RouteError] | None = None) -> pb.ForwardReply:
+        """The next reply; past the timeout, `stuck` names the stage to blame (else this one)."""
         try:
             reply = self.replies.get(timeout=self.timeout)
         except queue.Empty:
             self.call_.cancel()
+            if stuck is not None:
+                raise stuck() from None
             raise RouteError(
                 self.stage.index,
                 self.stage.address,
@@ -129,6 +147,19 @@ class _Stream:
 
     def close(self) -> None:
         self.requests.put(None)
+
+    def wait_ended(self, timeout: float) -> None:
+        """After close(): until the stage ends the stream (replies still in flight are dropped),
+        or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                item = self.replies.get(timeout=left)
+            except queue.Empty:
+                break
+            if item is None or isinstance(item, BaseException):
+                return
+        self.call_.cancel()
 
 
 @dataclass
@@ -156,11 +187,20 @@ class Route:
     stages: list[Stage]
     timeout: float = 60.0
     wire_dtype: str = "f32"  # the residual's dtype on the wire: f32 (bitwise parity), f16, bf16
+    mode: str = "forward"
+    # forward mode: the stages' addresses as the stages reach each other (default: as the
+    # coordinator reaches them)
+    peers: list[str] = field(default_factory=list)
     n_layer: int = field(init=False)
-    wire: SeamTraffic = field(init=False)
+    wire: SeamTraffic = field(init=False)  # relay mode: what crossed the seams through here
 
     def __post_init__(self) -> None:
         check_wire_dtype(self.wire_dtype)
+        check_mode(self.mode)
+        if not self.peers:
+            self.peers = [s.address for s in self.stages]
+        if len(self.peers) != len(self.stages):
+            raise ValueError(f"{len(self.peers)} peer addresses for {len(self.stages)} stages")
         self.n_layer = self.stages[0].describe.compatibility.n_layer
         self.wire = SeamTraffic()
 
@@ -171,8 +211,11 @@ class Route:
         timeout: float = 60.0,
         wire_dtype: str = "f32",
         security: Security = PLAIN,
+        mode: str = "forward",
+        peers: list[str] | None = None,
     ) -> Route:
         check_wire_dtype(wire_dtype)  # before connecting to anything
+        check_mode(mode)
         stages = []
         for i, address in enumerate(addresses):
             channel = security.channel(address)
@@ -192,7 +235,7 @@ class Route:
                 raise RouteError(
                     stage.index, stage.address, f"does not accept a {wire_dtype} boundary"
                 )
-        return cls(stages, timeout, wire_dtype)
+        return cls(stages, timeout, wire_dtype, mode, list(peers or []))
 
     def close(self) -> None:
         for stage in self.stages:
@@ -237,6 +280,9 @@ class Route:
         route under a new epoch) from n_past 0, then decode; each result is the next token.
         The session's caches on these stages are closed when the generator ends."""
         sampling = sampling or Sampling()
+        if self.mode == "forward":
+            yield from self._run_forward(session, epoch, history, max_tokens, sampling, stop)
+            return
         streams = [_Stream(s, self.timeout) for s in self.stages]
         chunk = min(s.describe.max_tokens_per_message for s in self.stages)
         n_past, prefix = 0, FNV_OFFSET
@@ -259,13 +305,91 @@ class Route:
         finally:
             for stream in streams:
                 stream.close()
-            for stage in self.stages:
-                with contextlib.suppress(grpc.RpcError):  # a dead stage has no session left
-                    stage.stub.CloseSession(
-                        pb.CloseSessionRequest(session_id=session),
-                        timeout=5,
-                        metadata=stage.metadata,
+            # in parallel and briefly: a dead or hung stage must not delay the error
+            closing = [
+                stage.stub.CloseSession.future(
+                    pb.CloseSessionRequest(session_id=session), timeout=2, metadata=stage.metadata
+                )
+                for stage in self.stages
+            ]
+            for future in closing:
+                future.exception()  # waits; a dead stage has no session left to close
+
+    def _run_forward(
+        self,
+        session: int,
+        epoch: int,
+        history: list[int],
+        max_tokens: int,
+        sampling: Sampling,
+        stop: set[int] | None,
+    ) -> Generator[pb.TokenResult, None, None]:
+        if max_tokens < 1:
+            return
+        head = _Stream(self.stages[0], self.timeout)
+        spec = pb.RouteSpec(stages=self.peers, stage_index=0)
+        chunk = min(s.describe.max_tokens_per_message for s in self.stages)
+        parts = list(chunks(len(history), chunk))
+        n_past, prefix = 0, FNV_OFFSET
+        try:
+            for k, part in enumerate(parts):
+                tokens = history[part]
+                last = k == len(parts) - 1
+                head.send(
+                    pb.ForwardRequest(
+                        session_id=session,
+                        expect=pb.CacheExpectation(epoch=epoch, n_past=n_past, prefix_hash=prefix),
+                        token_ids=tokens,
+                        sampling=sampling.message(),
+                        boundary_dtype=f"DTYPE_{self.wire_dtype.upper()}",
+                        route=spec,
+                        chunk_index=k,
+                        last_chunk=last,
+                        max_tokens=max_tokens if last else 0,
+                        stop_ids=sorted(stop or ()),
                     )
+                )
+                prefix = prefix_hash(tokens, prefix)
+                n_past += len(tokens)
+            for i in range(max_tokens):
+                reply = head.receive(self._stuck)
+                if reply.HasField("error"):
+                    e = reply.error
+                    raise RouteError(e.stage, e.address, e.message, STATUS_BY_CODE.get(e.code))
+                if not reply.HasField("token"):
+                    raise RouteError(
+                        0, self.stages[0].address, "the head sent a reply without a token"
+                    )
+                yield reply.token
+                if (stop and reply.token.token_id in stop) or i == max_tokens - 1:
+                    return
+        finally:
+            # the head stops decoding and ends its stream once every stage after it has ended
+            # its own and freed the session: when this returns, the route holds nothing
+            head.close()
+            head.wait_ended(min(self.timeout, 5.0))
+
+    def _stuck(self) -> RouteError:
+        """No token within the timeout: name the first stage that does not answer Health."""
+        probe = min(2.0, max(self.timeout / 4, 0.2))
+        checks = [
+            s.stub.Health.future(pb.HealthRequest(), timeout=probe, metadata=s.metadata)
+            for s in self.stages
+        ]
+        for stage, check in zip(self.stages, checks, strict=True):
+            if check.exception() is not None:
+                return RouteError(
+                    stage.index,
+                    stage.address,
+                    f"no token within {self.timeout:g} s and no answer to Health in {probe:g} s",
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                )
+        return RouteError(
+            0,
+            self.stages[0].address,
+            f"no token within {self.timeout:g} s (every stage answers Health)",
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
 
     def _step(
         self,
@@ -296,6 +420,11 @@ class Route:
                 return reply.token
             boundary = reply.boundary
         raise RouteError(len(streams) - 1, streams[-1].stage.address, "the tail sent no token")
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"route mode {mode!r} is not one of {', '.join(MODES)}")
 
 
 def check_wire_dtype(name: str) -> None:

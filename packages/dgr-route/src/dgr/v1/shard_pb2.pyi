@@ -109,7 +109,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., want_logits: _Optional[bool] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "expect", "positions", "token_ids", "boundary", "chunk_index", "last_chunk", "sampling", "boundary_dtype")
+    __slots__ = ("session_id", "expect", "positions", "token_ids", "boundary", "chunk_index", "last_chunk", "sampling", "boundary_dtype", "route", "max_tokens", "stop_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECT_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,9 @@ class ForwardRequest(_message.Message):
     LAST_CHUNK_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     expect: CacheExpectation
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -128,7 +131,30 @@ class ForwardRequest(_message.Message):
     last_chunk: bool
     sampling: Sampling
     boundary_dtype: DType
-    def __init__(self, session_id: _Optional[int] = ..., expect: _Optional[_Union[CacheExpectation, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., chunk_index: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., boundary_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    route: RouteSpec
+    max_tokens: int
+    stop_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[int] = ..., expect: _Optional[_Union[CacheExpectation, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., chunk_index: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., boundary_dtype: _Optional[_Union[DType, str]] = ..., route: _Optional[_Union[RouteSpec, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RouteSpec(_message.Message):
+    __slots__ = ("stages", "stage_index")
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedScalarFieldContainer[str]
+    stage_index: int
+    def __init__(self, stages: _Optional[_Iterable[str]] = ..., stage_index: _Optional[int] = ...) -> None: ...
+
+class StageError(_message.Message):
+    __slots__ = ("stage", "address", "code", "message")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    address: str
+    code: int
+    message: str
+    def __init__(self, stage: _Optional[int] = ..., address: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class TokenResult(_message.Message):
     __slots__ = ("token_id", "logprob", "logits")
@@ -141,18 +167,26 @@ class TokenResult(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., logits: _Optional[_Union[Boundary, _Mapping]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("session_id", "n_past", "prefix_hash", "boundary", "token")
+    __slots__ = ("session_id", "n_past", "prefix_hash", "boundary", "token", "error", "epoch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     N_PAST_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     n_past: int
     prefix_hash: int
     boundary: Boundary
     token: TokenResult
-    def __init__(self, session_id: _Optional[int] = ..., n_past: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., token: _Optional[_Union[TokenResult, _Mapping]] = ...) -> None: ...
+    error: StageError
+    epoch: int
+    def __init__(self, session_id: _Optional[int] = ..., n_past: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., token: _Optional[_Union[TokenResult, _Mapping]] = ..., error: _Optional[_Union[StageError, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class LoopReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("session_id", "epoch")
@@ -183,15 +217,17 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("ready", "draining", "sessions", "capacity", "queue_depth")
+    __slots__ = ("ready", "draining", "sessions", "capacity", "queue_depth", "widest_batch")
     READY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    WIDEST_BATCH_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     draining: bool
     sessions: int
     capacity: int
     queue_depth: int
-    def __init__(self, ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+    widest_batch: int
+    def __init__(self, ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., queue_depth: _Optional[int] = ..., widest_batch: _Optional[int] = ...) -> None: ...

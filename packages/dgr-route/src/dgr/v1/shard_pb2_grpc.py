@@ -59,6 +59,11 @@ class ShardServiceStub:
                 request_serializer=dgr_dot_v1_dot_shard__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=dgr_dot_v1_dot_shard__pb2.ForwardReply.FromString,
                 _registered_method=True)
+        self.Loop = channel.stream_unary(
+                '/dgr.v1.ShardService/Loop',
+                request_serializer=dgr_dot_v1_dot_shard__pb2.ForwardReply.SerializeToString,
+                response_deserializer=dgr_dot_v1_dot_shard__pb2.LoopReply.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -95,6 +100,14 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Loop(self, request_iterator, context):
+        """Forward mode: the tail returns the sampled tokens (ForwardReply.token) of one session to the
+        head over this stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +135,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=dgr_dot_v1_dot_shard__pb2.ForwardRequest.FromString,
                     response_serializer=dgr_dot_v1_dot_shard__pb2.ForwardReply.SerializeToString,
+            ),
+            'Loop': grpc.stream_unary_rpc_method_handler(
+                    servicer.Loop,
+                    request_deserializer=dgr_dot_v1_dot_shard__pb2.ForwardReply.FromString,
+                    response_serializer=dgr_dot_v1_dot_shard__pb2.LoopReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +277,33 @@ class ShardService:
             '/dgr.v1.ShardService/Forward',
             dgr_dot_v1_dot_shard__pb2.ForwardRequest.SerializeToString,
             dgr_dot_v1_dot_shard__pb2.ForwardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Loop(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/dgr.v1.ShardService/Loop',
+            dgr_dot_v1_dot_shard__pb2.ForwardReply.SerializeToString,
+            dgr_dot_v1_dot_shard__pb2.LoopReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,62 @@
+#include "batcher.h"
+
+#include <vector>
+
+namespace dgr::worker {
+
+void Batcher::run(dgr::BatchItem & item) {
+    Waiting me{&item};
+    std::unique_lock<std::mutex> lock(mutex_);
+    queue_.push_back(&me);
+    while (!me.done) {
+        if (busy_) {
+            cv_.wait(lock);
+            continue;
+        }
+        // lead: the oldest request, and the decode steps waiting behind it when it is one too
+        busy_ = true;
+        std::vector<Waiting *> group{queue_.front()};
+        queue_.pop_front();
+        if (group[0]->item->request.n_tokens == 1) {
+            int32_t tokens = 1;
+            for (auto it = queue_.begin(); it != queue_.end() && tokens < max_batch_;) {
+                if ((*it)->item->request.n_tokens == 1) {
+                    group.push_back(*it);
+                    ++tokens;
+                    it = queue_.erase(it);
+                } else {
+                    ++it;
+                }
+            }
+        }
+        lock.unlock();
+        std::vector<dgr::BatchItem> batch(group.size());
+        for (size_t i = 0; i < group.size(); ++i) {
+            batch[i].request = group[i]->item->request;
+            batch[i].out_dtype = group[i]->item->out_dtype;
+        }
+        try {
+            engine_.forward_batch(batch);
+        } catch (...) {
+            for (auto & b : batch) {
+                if (!b.error) b.error = std::current_exception();
+            }
+        }
+        lock.lock();
+        for (size_t i = 0; i < group.size(); ++i) {
+            group[i]->item->result = std::move(batch[i].result);
+            group[i]->item->error = batch[i].error;
+            group[i]->done = true;
+        }
+        widest_ = std::max(widest_, group.size());
+        busy_ = false;
+        cv_.notify_all();
+    }
+}
+
+size_t Batcher::widest() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return widest_;
+}
+
+}  // namespace dgr::worker

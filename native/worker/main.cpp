@@ -1,0 +1,218 @@
+// dgr-shard-worker: one ShardEngine served over gRPC (dgr.v1.ShardService, grpc.health.v1); a thin
+// shell over ShardService (service.h), in the manner of llama.cpp's rpc-server.
+//
+// The engine is loaded and warmed up (a prefill and a few decode steps on a scratch session, as
+// llama-server does) before the server listens, so "reachable" means ready at steady-state
+// speed. SIGTERM/SIGINT drain: new streams are refused, in-flight requests finish (bounded by
+// --drain-seconds), then the process exits 0.
+#include "dgr/shard_engine.h"
+#include "service.h"
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+std::atomic<bool> g_stop{false};
+
+struct Args {
+    std::string model, listen = "127.0.0.1:0";
+    int32_t first = 0, last = -1, threads = 2, n_ctx = 2048, n_batch = 512, max_sessions = 4;
+    int drain_seconds = 10;
+    int poll = 0;      // ggml threadpool spin level between graphs (0 sleeps, 100 spins)
+    bool mtp = false;  // serve MTP (nextn) layers: reserved, the engine refuses it in alpha
+    bool warmup = true;
+    std::string tls_cert, tls_key, tls_client_ca, peer_ca;  // PEM contents
+    dgr::worker::ServiceOptions service;
+};
+
+std::string read_file(const std::string & path, const std::string & option) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw std::invalid_argument(option + ": cannot read " + path);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+int to_int(const std::string & option, const std::string & value, int lo, int hi) {
+    size_t used = 0;
+    long v = 0;
+    try {
+        v = std::stol(value, &used);
+    } catch (const std::exception &) {
+        used = 0;
+    }
+    if (used != value.size() || v < lo || v > hi) {
+        throw std::invalid_argument(option + ": " + value + " is not an integer in [" + std::to_string(lo) + ", " +
+                                    std::to_string(hi) + "]");
+    }
+    return (int) v;
+}
+
+void parse_args(int argc, char ** argv, Args & a) {
+    for (int i = 1; i < argc; ++i) {
+        const std::string k = argv[i];
+        auto val = [&]() -> std::string {
+            if (i + 1 >= argc) throw std::invalid_argument(k + " needs a value");
+            return argv[++i];
+        };
+        constexpr int kMax = 1 << 24;
+        if (k == "--model") a.model = val();
+        else if (k == "--layers") {
+            const std::string v = val();
+            const auto colon = v.find(':');
+            if (colon == std::string::npos) throw std::invalid_argument("--layers takes FIRST:LAST");
+            a.first = to_int("--layers", v.substr(0, colon), 0, kMax);
+            a.last = to_int("--layers", v.substr(colon + 1), -1, kMax);
+        } else if (k == "--listen") a.listen = val();
+        else if (k == "--threads") a.threads = to_int(k, val(), 1, 512);
+        else if (k == "--n-ctx") a.n_ctx = to_int(k, val(), 1, kMax);
+        else if (k == "--n-batch") a.n_batch = to_int(k, val(), 1, kMax);
+        else if (k == "--max-sessions") a.max_sessions = to_int(k, val(), 1, 4096);
+        else if (k == "--max-message-bytes") a.service.max_message_bytes = (uint64_t) to_int(k, val(), 1024, INT32_MAX / 2);
+        else if (k == "--max-queue") a.service.max_queue = to_int(k, val(), 0, 1 << 20);
+        else if (k == "--max-batch") a.service.max_batch = to_int(k, val(), 1, 4096);
+        else if (k == "--lane") a.service.lane = val();
+        else if (k == "--model-fingerprint") a.service.fingerprint = val();
+        else if (k == "--llama-commit") a.service.llama_commit = val();
+        else if (k == "--patch-stack") a.service.patch_hash = val();
+        else if (k == "--drain-seconds") a.drain_seconds = to_int(k, val(), 0, 3600);
+        else if (k == "--poll") a.poll = to_int(k, val(), 0, 100);
+        else if (k == "--mtp") a.mtp = true;
+        else if (k == "--no-warmup") a.warmup = false;
+        else if (k == "--auth-token-file") {
+            std::string token = read_file(val(), k);
+            while (!token.empty() && (token.back() == '\n' || token.back() == '\r' || token.back() == ' ')) token.pop_back();
+            if (token.empty()) throw std::invalid_argument("--auth-token-file: the file holds no token");
+            a.service.token = token;
+        } else if (k == "--tls-cert") a.tls_cert = read_file(val(), k);
+        else if (k == "--tls-key") a.tls_key = read_file(val(), k);
+        else if (k == "--tls-client-ca") a.tls_client_ca = read_file(val(), k);
+        else if (k == "--peer-ca") a.peer_ca = read_file(val(), k);
+        else throw std::invalid_argument("unknown option " + k);
+    }
+    if (a.model.empty()) throw std::invalid_argument("--model is required");
+    if (a.tls_cert.empty() != a.tls_key.empty()) throw std::invalid_argument("--tls-cert and --tls-key go together");
+    if (!a.tls_client_ca.empty() && a.tls_cert.empty()) throw std::invalid_argument("--tls-client-ca needs --tls-cert and --tls-key");
+}
+
+// a prefill and a few decode steps on a scratch session, so that buffers, threads and pages are
+// in place before the first real request
+void warm_up(dgr::ShardEngine & engine) {
+    const dgr::Description d = engine.describe();
+    constexpr uint64_t kScratch = ~0ull;
+    const int32_t prefill = std::min<int32_t>(d.n_batch, std::min<int32_t>(16, d.n_ctx - 4));
+    if (prefill < 1) return;
+    const int32_t row = d.boundary.hc * d.boundary.n_embd;
+    std::vector<int32_t> tokens((size_t) prefill, 1);
+    std::vector<float> zeros((size_t) prefill * row, 0.0f);
+    int32_t n_past = 0;
+    for (int32_t n : {prefill, 1, 1, 1}) {
+        dgr::ForwardRequest r;
+        r.session = kScratch;
+        r.epoch = 1;
+        r.n_past = n_past;
+        r.n_tokens = n;
+        r.tokens = tokens.data();
+        r.boundary = d.is_head ? nullptr : zeros.data();
+        n_past = engine.forward(r).n_past;
+    }
+    engine.release(kScratch);
+}
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    Args args;
+    try {
+        parse_args(argc, argv, args);
+    } catch (const std::exception & e) {
+        std::cerr << "dgr-shard-worker: " << e.what() << "\n"
+                  << "usage: dgr-shard-worker --model PATH --layers FIRST:LAST [--listen HOST:PORT] [--threads N]\n"
+                     "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--max-batch N]\n"
+                     "  [--lane cpu]\n"
+                     "  [--model-fingerprint HEX] [--llama-commit SHA] [--patch-stack SHA] [--drain-seconds N]\n"
+                     "  [--poll 0-100] [--no-warmup] [--mtp] [--auth-token-file F]\n"
+                     "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F]\n";
+        return 2;
+    }
+    std::unique_ptr<dgr::ShardEngine> engine;
+    try {
+        dgr::EngineOptions o;
+        o.model_path = args.model;
+        o.layer_first = args.first;
+        o.layer_last = args.last;
+        o.n_threads = args.threads;
+        o.n_ctx = args.n_ctx;
+        o.n_batch = args.n_batch;
+        o.max_sessions = args.max_sessions;
+        o.poll = args.poll;
+        o.load_mtp = args.mtp;
+        engine = dgr::ShardEngine::open(o);
+        if (args.warmup) warm_up(*engine);
+    } catch (const dgr::ShardError & e) {
+        std::cerr << "dgr-shard-worker: " << e.what() << "\n";
+        return 3;
+    }
+    // peers (the next stage, the head) are reached with this worker's own credentials
+    dgr::worker::PeerOptions peers;
+    peers.ca = args.peer_ca.empty() ? args.tls_client_ca : args.peer_ca;
+    if (!peers.ca.empty()) {
+        peers.cert = args.tls_cert;
+        peers.key = args.tls_key;
+    }
+    peers.token = args.service.token;
+    peers.max_message_bytes = args.service.max_message_bytes;
+    dgr::worker::ShardService service(std::move(engine), args.service, peers);
+
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+    if (!args.tls_cert.empty()) {
+        // TLS; with a client CA, mutual TLS: a client without a certificate it signed is refused
+        grpc::SslServerCredentialsOptions ssl(args.tls_client_ca.empty()
+                                                  ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                                  : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+        ssl.pem_root_certs = args.tls_client_ca;
+        ssl.pem_key_cert_pairs.push_back({args.tls_key, args.tls_cert});
+        creds = grpc::SslServerCredentials(ssl);
+    }
+    builder.AddListeningPort(args.listen, creds, &port);
+    const uint64_t max_bytes = args.service.max_message_bytes;
+    builder.SetMaxReceiveMessageSize((int) std::min<uint64_t>(max_bytes, INT32_MAX));
+    builder.SetMaxSendMessageSize((int) std::min<uint64_t>(max_bytes * 2, INT32_MAX));
+    // keepalive: a client that vanished without a reset is dropped (and its sessions freed) after
+    // about kKeepaliveMs + kKeepaliveTimeoutMs; clients may ping as often as every few seconds
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, dgr::worker::kKeepaliveMs);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, dgr::worker::kKeepaliveTimeoutMs);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+    builder.RegisterService(&service);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    if (!server || port == 0) {
+        std::cerr << "dgr-shard-worker: cannot listen on " << args.listen << "\n";
+        return 4;
+    }
+    server->GetHealthCheckService()->SetServingStatus(true);
+    // the launcher reads this line to learn the port (and that the model is loaded and warm)
+    std::cout << "DGR-WORKER-READY port=" << port << std::endl;
+
+    std::signal(SIGTERM, [](int) { g_stop.store(true); });
+    std::signal(SIGINT, [](int) { g_stop.store(true); });
+    while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    service.set_draining();
+    server->GetHealthCheckService()->SetServingStatus(false);
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(args.drain_seconds));
+    std::cout << "DGR-WORKER-STOPPED" << std::endl;
+    return 0;
+}

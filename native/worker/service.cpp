@@ -1,0 +1,478 @@
+#include "service.h"
+
+#include "sampling.h"
+#include "validate.h"
+#include "wire.h"
+
+#include <chrono>
+#include <deque>
+#include <set>
+#include <thread>
+
+namespace dgr::worker {
+
+using grpc::Status;
+using grpc::StatusCode;
+
+namespace {
+
+Status from_shard_error(const dgr::ShardError & e) {
+    switch (e.status()) {
+        case dgr::Status::invalid_argument:
+        case dgr::Status::invalid_range: return Status(StatusCode::INVALID_ARGUMENT, e.what());
+        case dgr::Status::unknown_session:
+        case dgr::Status::cache_mismatch: return Status(StatusCode::FAILED_PRECONDITION, e.what());
+        case dgr::Status::capacity: return Status(StatusCode::RESOURCE_EXHAUSTED, e.what());
+        default: return Status(StatusCode::INTERNAL, e.what());
+    }
+}
+
+// a forward admitted to this stage's queue, for as long as it waits or computes
+struct InFlight {
+    explicit InFlight(std::atomic<int> & n) : n_(n), ahead(n_++) {}
+    ~InFlight() { n_--; }
+    InFlight(const InFlight &) = delete;
+    InFlight & operator=(const InFlight &) = delete;
+    std::atomic<int> & n_;
+    const int ahead;
+};
+
+// the request the next stage computes: this stage's output, the same expectation and sideband
+dgr::v1::ForwardRequest next_request(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply) {
+    dgr::v1::ForwardRequest next;
+    next.set_session_id(req.session_id());
+    *next.mutable_expect() = req.expect();
+    *next.mutable_token_ids() = req.token_ids();
+    next.mutable_boundary()->Swap(reply->mutable_boundary());
+    next.set_chunk_index(req.chunk_index());
+    next.set_last_chunk(req.last_chunk());
+    *next.mutable_sampling() = req.sampling();
+    next.set_boundary_dtype(req.boundary_dtype());
+    *next.mutable_route() = req.route();
+    next.mutable_route()->set_stage_index(req.route().stage_index() + 1);
+    return next;
+}
+
+Status one_session(const dgr::v1::ForwardRequest & req, uint64_t session, uint64_t epoch) {
+    if (!req.has_route() || req.session_id() != session || req.expect().epoch() != epoch) {
+        return Status(StatusCode::INVALID_ARGUMENT,
+                      "route: a forward-mode stream carries one session and epoch, every request with its route");
+    }
+    return Status::OK;
+}
+
+}  // namespace
+
+struct HeadFlow {
+    struct Event {
+        enum Kind { request, token, failure, closed } kind = closed;
+        dgr::v1::ForwardRequest req;
+        dgr::v1::ForwardReply reply;
+        dgr::v1::StageError error;
+    };
+    uint64_t session = 0, epoch = 0;
+    std::mutex m;
+    std::condition_variable cv;
+    std::deque<Event> events;
+
+    void push(Event e) {
+        {
+            std::lock_guard<std::mutex> lock(m);
+            events.push_back(std::move(e));
+        }
+        cv.notify_one();
+    }
+    bool pop(Event * out, std::chrono::milliseconds wait) {
+        std::unique_lock<std::mutex> lock(m);
+        if (!cv.wait_for(lock, wait, [this] { return !events.empty(); })) return false;
+        *out = std::move(events.front());
+        events.pop_front();
+        return true;
+    }
+};
+
+ShardService::ShardService(std::unique_ptr<dgr::ShardEngine> engine, ServiceOptions options, PeerOptions peers)
+    : engine_(std::move(engine)),
+      options_(std::move(options)),
+      desc_(engine_->describe()),
+      peers_(std::move(peers)),
+      batcher_(*engine_, std::min(options_.max_batch, desc_.n_batch)) {}
+
+ShardService::~ShardService() = default;
+
+Status ShardService::authorize(grpc::ServerContext * ctx) const {
+    if (options_.token.empty()) return Status::OK;
+    const auto & md = ctx->client_metadata();
+    auto it = md.find("authorization");
+    if (it == md.end()) {
+        return Status(StatusCode::UNAUTHENTICATED, "missing authorization: this worker needs a bearer token");
+    }
+    const std::string got(it->second.data(), it->second.size());
+    const std::string want = "Bearer " + options_.token;
+    unsigned char diff = got.size() == want.size() ? 0 : 1;
+    for (size_t i = 0; i < got.size() && i < want.size(); ++i) diff |= (unsigned char) (got[i] ^ want[i]);
+    if (diff != 0) return Status(StatusCode::UNAUTHENTICATED, "wrong bearer token");
+    return Status::OK;
+}
+
+Status ShardService::Describe(grpc::ServerContext * ctx, const dgr::v1::DescribeRequest *, dgr::v1::DescribeReply * reply) {
+    if (Status st = authorize(ctx); !st.ok()) return st;
+    auto * c = reply->mutable_compatibility();
+    c->set_model_fingerprint(options_.fingerprint);
+    c->set_llama_cpp_commit(options_.llama_commit);
+    c->set_patch_stack_sha256(options_.patch_hash);
+    c->set_schema_version(1);
+    c->set_lane(options_.lane);
+    c->set_arch(desc_.arch);
+    c->set_n_layer((uint32_t) desc_.n_layer);
+    reply->set_layer_first((uint32_t) desc_.layer_first);
+    reply->set_layer_last((uint32_t) desc_.layer_last);
+    auto * b = reply->mutable_boundary();
+    b->set_hc((uint32_t) desc_.boundary.hc);
+    b->set_n_embd((uint32_t) desc_.boundary.n_embd);
+    b->set_needs_token_ids(desc_.boundary.needs_token_ids);
+    for (auto d : {dgr::DType::f32, dgr::DType::f16, dgr::DType::bf16}) b->add_dtypes(to_wire(d));
+    reply->set_n_ctx((uint32_t) desc_.n_ctx);
+    reply->set_max_sessions((uint32_t) desc_.max_sessions);
+    reply->set_max_tokens_per_message((uint32_t) desc_.n_batch);
+    reply->set_max_message_bytes(options_.max_message_bytes);
+    return Status::OK;
+}
+
+Status ShardService::Health(grpc::ServerContext * ctx, const dgr::v1::HealthRequest *, dgr::v1::HealthReply * reply) {
+    if (Status st = authorize(ctx); !st.ok()) return st;
+    const size_t sessions = engine_->session_count();  // never waits behind a compute
+    reply->set_ready(true);
+    reply->set_draining(draining_.load());
+    reply->set_sessions((uint32_t) sessions);
+    reply->set_capacity((uint32_t) std::max<int64_t>(0, desc_.max_sessions - (int64_t) sessions));
+    reply->set_queue_depth((uint32_t) std::max(0, in_flight_.load()));
+    reply->set_widest_batch((uint32_t) batcher_.widest());
+    return Status::OK;
+}
+
+Status ShardService::OpenSession(grpc::ServerContext * ctx, const dgr::v1::OpenSessionRequest *, dgr::v1::OpenSessionReply * reply) {
+    if (Status st = authorize(ctx); !st.ok()) return st;
+    reply->set_n_ctx((uint32_t) desc_.n_ctx);
+    return Status::OK;
+}
+
+Status ShardService::CloseSession(grpc::ServerContext * ctx, const dgr::v1::CloseSessionRequest * req, dgr::v1::CloseSessionReply *) {
+    if (Status st = authorize(ctx); !st.ok()) return st;
+    try {
+        engine_->release(req->session_id());
+    } catch (const dgr::ShardError & e) {
+        return from_shard_error(e);
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    hashes_.erase(req->session_id());
+    return Status::OK;
+}
+
+void ShardService::release(uint64_t session, uint64_t epoch) {
+    engine_->release_epoch(session, epoch);
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = hashes_.find(session);
+    if (it != hashes_.end() && it->second.epoch == epoch) hashes_.erase(it);
+}
+
+Status ShardService::compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply) {
+    // backpressure: a bounded queue, refused beyond it (the session's cache is untouched and the
+    // client may retry); the requests admitted compute in arrival order
+    InFlight admitted(in_flight_);
+    if (admitted.ahead > options_.max_queue) {
+        return Status(StatusCode::RESOURCE_EXHAUSTED, "queue full: " + std::to_string(admitted.ahead) +
+                                                          " forwards in flight, at most " + std::to_string(options_.max_queue) +
+                                                          " may wait; retry later");
+    }
+    DecodedForward d;
+    if (Status st = decode_forward(req, desc_, &d); !st.ok()) return st;
+    const dgr::ForwardRequest & fr = d.engine;
+    const bool has_ids = !d.tokens.empty();
+    // cache expectation: the prefix hash of the session's tokens, where they travel
+    // (a request of another epoch goes on to the engine, which refuses a stale one by name)
+    uint64_t before = kPrefixHashSeed;
+    bool other_epoch = false;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = hashes_.find(fr.session);
+        if (it != hashes_.end()) {
+            other_epoch = it->second.epoch != fr.epoch;
+            if (fr.n_past > 0 && !other_epoch) before = it->second.hash;
+        }
+    }
+    if (has_ids && !other_epoch && req.expect().prefix_hash() != 0 && fr.n_past > 0 &&
+        req.expect().prefix_hash() != before) {
+        return Status(StatusCode::FAILED_PRECONDITION,
+                      "cache_mismatch: prefix hash differs from this shard's (its KV holds another token history)");
+    }
+    dgr::BatchItem item;
+    item.request = fr;
+    item.out_dtype = desc_.is_tail ? dgr::DType::f32 : d.out_dtype;
+    batcher_.run(item);
+    int32_t token = -1;
+    float logprob = 0.0f;
+    try {
+        if (item.error) std::rethrow_exception(item.error);
+        if (item.result.is_logits) {
+            thread_local TailSampler sampler;
+            token = sampler.sample((const float *) item.result.data.data(), item.result.row_width, req.sampling(),
+                                   item.result.n_past, &logprob);
+        }
+    } catch (const dgr::ShardError & e) {
+        return from_shard_error(e);
+    } catch (const std::exception & e) {
+        return Status(StatusCode::INTERNAL, std::string("engine: ") + e.what());
+    }
+    const dgr::ForwardResult & res = item.result;
+    const uint64_t after = has_ids ? prefix_hash(before, d.tokens.data(), d.tokens.size()) : 0;
+    if (has_ids) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        hashes_[fr.session] = Prefix{fr.epoch, after};
+    }
+    reply->set_session_id(fr.session);
+    reply->set_n_past((uint32_t) res.n_past);
+    reply->set_prefix_hash(after);
+    reply->set_epoch(fr.epoch);
+    if (res.is_logits) {
+        auto * tok = reply->mutable_token();
+        tok->set_token_id(token);
+        tok->set_logprob(logprob);
+        if (req.sampling().want_logits()) {
+            encode_boundary(tok->mutable_logits(), dgr::DType::f32, 1, 1, (uint32_t) res.row_width, res.data.data(),
+                            res.data.size());
+        }
+    } else {
+        encode_boundary(reply->mutable_boundary(), res.dtype, (uint32_t) res.n_rows, (uint32_t) desc_.boundary.hc,
+                        (uint32_t) desc_.boundary.n_embd, res.data.data(), res.data.size());
+    }
+    return Status::OK;
+}
+
+Status ShardService::Forward(grpc::ServerContext * ctx, Stream * stream) {
+    if (Status st = authorize(ctx); !st.ok()) return st;
+    if (draining_.load()) return Status(StatusCode::UNAVAILABLE, "draining: not accepting new streams");
+    dgr::v1::ForwardRequest req;
+    if (!stream->Read(&req)) return Status::OK;
+    if (!req.has_route()) return relay(ctx, stream, std::move(req));
+    if (Status st = validate_route(req.route(), desc_); !st.ok()) return st;
+    return desc_.is_head ? forward_head(ctx, stream, std::move(req)) : forward_stage(ctx, stream, std::move(req));
+}
+
+Status ShardService::relay(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req) {
+    // a stream that ends abnormally (deadline, cancellation, a dead client) frees the sessions
+    // it carried: nobody will continue them, and their KV slots are scarce
+    std::map<uint64_t, uint64_t> seen;  // session -> epoch
+    auto abandon = [&](Status st) {
+        for (const auto & [session, epoch] : seen) release(session, epoch);
+        return st;
+    };
+    do {
+        if (ctx->IsCancelled()) return abandon(Status(StatusCode::CANCELLED, "cancelled by the client"));
+        if (req.has_route()) {
+            return Status(StatusCode::INVALID_ARGUMENT, "route: a relay-mode stream cannot switch to forward mode");
+        }
+        uint64_t & epoch = seen[req.session_id()];
+        epoch = std::max(epoch, req.expect().epoch());
+        dgr::v1::ForwardReply reply;
+        if (Status st = compute(req, &reply); !st.ok()) return st;  // the cache is as it was
+        if (!stream->Write(reply)) return abandon(Status(StatusCode::CANCELLED, "client went away"));
+    } while (stream->Read(&req));
+    if (ctx->IsCancelled()) return abandon(Status(StatusCode::CANCELLED, "cancelled or past its deadline"));
+    return Status::OK;
+}
+
+// a stage after the head: compute, pass the output on (or, at the tail, return the token to the
+// head); a failure further down comes back through the link and goes on upstream
+Status ShardService::forward_stage(grpc::ServerContext *, Stream * stream, dgr::v1::ForwardRequest req) {
+    const uint64_t session = req.session_id(), epoch = req.expect().epoch();
+    const dgr::v1::RouteSpec route = req.route();
+    const uint32_t me = route.stage_index();
+    std::mutex up_mutex;
+    std::atomic<bool> failed{false};
+    auto report_up = [&](const dgr::v1::StageError & e) {
+        if (failed.exchange(true)) return;
+        dgr::v1::ForwardReply r;
+        r.set_session_id(session);
+        r.set_epoch(epoch);
+        *r.mutable_error() = e;
+        std::lock_guard<std::mutex> lock(up_mutex);
+        stream->Write(r);
+    };
+    Status result = Status::OK;
+    {
+        std::unique_ptr<DownstreamLink> down;
+        std::unique_ptr<LoopLink> loop;
+        do {
+            if (failed.load()) continue;  // broken further down: drain until the sender closes
+            if (Status st = one_session(req, session, epoch); !st.ok()) {
+                result = st;
+                break;
+            }
+            dgr::v1::ForwardReply reply;
+            if (Status st = compute(req, &reply); !st.ok()) {
+                result = st;  // the stage before names this one with it
+                break;
+            }
+            if (!desc_.is_tail) {
+                if (!down) down = std::make_unique<DownstreamLink>(peers_, route.stages(me + 1), me + 1, report_up);
+                down->write(next_request(req, &reply));  // a broken link is reported by its reader
+            } else if (req.last_chunk()) {
+                if (!loop) loop = std::make_unique<LoopLink>(peers_, route.stages(0));
+                if (!loop->write(reply)) {
+                    report_up(stage_error(0, route.stages(0),
+                                          Status(StatusCode::UNAVAILABLE, "the tail could not return its token to the head")));
+                }
+            }
+        } while (stream->Read(&req));
+    }  // links closed before the session goes
+    release(session, epoch);
+    return result;
+}
+
+Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest first) {
+    using Event = HeadFlow::Event;
+    const uint64_t session = first.session_id(), epoch = first.expect().epoch();
+    const dgr::v1::RouteSpec route = first.route();
+    auto flow = std::make_shared<HeadFlow>();
+    flow->session = session;
+    flow->epoch = epoch;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = flows_.find(session);
+        if (it != flows_.end() && it->second->epoch >= epoch) {
+            return Status(StatusCode::FAILED_PRECONDITION, "session " + std::to_string(session) +
+                                                               " already streams in forward mode at epoch " +
+                                                               std::to_string(it->second->epoch));
+        }
+        flows_[session] = flow;
+    }
+    std::thread upstream([&] {
+        dgr::v1::ForwardRequest r;
+        while (stream->Read(&r)) flow->push(Event{Event::request, std::move(r), {}, {}});
+        flow->push(Event{Event::closed, {}, {}, {}});
+    });
+    flow->push(Event{Event::request, std::move(first), {}, {}});
+
+    Status result = Status::OK;
+    bool done = false, closed = false, generating = false, finished = false;
+    uint32_t max_tokens = 0, generated = 0;
+    std::set<int32_t> stop;
+    dgr::v1::ForwardRequest step;  // the template of decode steps: sampling, dtype, route
+    std::unique_ptr<DownstreamLink> down;
+    auto fail = [&](const dgr::v1::StageError & e) {
+        dgr::v1::ForwardReply r;
+        r.set_session_id(session);
+        r.set_epoch(epoch);
+        *r.mutable_error() = e;
+        stream->Write(r);
+        result = Status((StatusCode) e.code(), "stage " + std::to_string(e.stage()) + " (" + e.address() + "): " + e.message());
+        done = true;
+    };
+    auto process = [&](const dgr::v1::ForwardRequest & r) {
+        dgr::v1::ForwardReply reply;
+        if (Status st = compute(r, &reply); !st.ok()) return fail(stage_error(0, route.stages(0), st));
+        if (desc_.is_tail) {
+            if (r.last_chunk()) flow->push(Event{Event::token, {}, std::move(reply), {}});
+            return;
+        }
+        if (!down) {
+            down = std::make_unique<DownstreamLink>(peers_, route.stages(1), 1, [flow](const dgr::v1::StageError & e) {
+                flow->push(Event{Event::failure, {}, {}, e});
+            });
+        }
+        down->write(next_request(r, &reply));  // a broken link is reported by its reader
+    };
+    while (!done) {
+        Event ev;
+        if (!flow->pop(&ev, std::chrono::milliseconds(200))) {
+            if (ctx->IsCancelled()) break;
+            continue;
+        }
+        switch (ev.kind) {
+            case Event::request:
+                if (Status st = one_session(ev.req, session, epoch); !st.ok()) {
+                    fail(stage_error(0, route.stages(0), st));
+                } else if (generating || finished) {
+                    fail(stage_error(0, route.stages(0),
+                                     Status(StatusCode::INVALID_ARGUMENT,
+                                            "forward mode: the prefill ended with its last chunk; the route drives decoding")));
+                } else {
+                    if (ev.req.last_chunk()) {
+                        if (ev.req.max_tokens() < 1) {
+                            fail(stage_error(0, route.stages(0),
+                                             Status(StatusCode::INVALID_ARGUMENT, "max_tokens: at least 1 on the last prefill chunk")));
+                            break;
+                        }
+                        generating = true;
+                        max_tokens = ev.req.max_tokens();
+                        stop.insert(ev.req.stop_ids().begin(), ev.req.stop_ids().end());
+                        step = ev.req;
+                        step.clear_token_ids();
+                        step.clear_stop_ids();
+                        step.set_chunk_index(0);
+                    }
+                    process(ev.req);
+                }
+                break;
+            case Event::token: {
+                if (!generating) break;
+                if (!stream->Write(ev.reply)) {
+                    result = Status(StatusCode::CANCELLED, "the coordinator went away");
+                    done = true;
+                    break;
+                }
+                const int32_t token = ev.reply.token().token_id();
+                if (++generated >= max_tokens || stop.count(token) > 0) {
+                    generating = false;  // nothing past the last token: wait for the coordinator to close
+                    finished = true;
+                    break;
+                }
+                step.clear_token_ids();
+                step.add_token_ids(token);
+                step.mutable_expect()->set_n_past(ev.reply.n_past());
+                step.mutable_expect()->set_prefix_hash(ev.reply.prefix_hash());
+                process(step);
+                break;
+            }
+            case Event::failure: fail(ev.error); break;
+            case Event::closed:
+                closed = true;
+                done = true;
+                break;
+        }
+    }
+    if (!closed) ctx->TryCancel();  // ends the reader's Read (the error reply is already written)
+    upstream.join();
+    down.reset();
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = flows_.find(session);
+        if (it != flows_.end() && it->second == flow) flows_.erase(it);
+    }
+    release(session, epoch);
+    return result;
+}
+
+Status ShardService::Loop(grpc::ServerContext * ctx, grpc::ServerReader<dgr::v1::ForwardReply> * reader, dgr::v1::LoopReply *) {
+    if (Status st = authorize(ctx); !st.ok()) return st;
+    dgr::v1::ForwardReply msg;
+    while (reader->Read(&msg)) {
+        std::shared_ptr<HeadFlow> flow;
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            auto it = flows_.find(msg.session_id());
+            if (it != flows_.end()) flow = it->second;
+        }
+        if (!flow) {
+            return Status(StatusCode::FAILED_PRECONDITION,
+                          "no forward-mode session " + std::to_string(msg.session_id()) + " at this head");
+        }
+        if (!msg.has_token()) return Status(StatusCode::INVALID_ARGUMENT, "Loop carries sampled tokens only");
+        if (msg.epoch() != flow->epoch) continue;  // a token of an older epoch of this session
+        flow->push(HeadFlow::Event{HeadFlow::Event::token, {}, std::move(msg), {}});
+    }
+    return Status::OK;
+}
+
+}  // namespace dgr::worker

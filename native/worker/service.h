@@ -1,0 +1,81 @@
+// dgr.v1.ShardService over one ShardEngine.
+//
+// Relay mode (a ForwardRequest without `route`): each request yields one reply to its sender, in
+// order; the coordinator carries boundaries from stage to stage.
+//
+// Forward mode (`route` set; one session per stream): a stage computes each request and writes
+// its boundary straight to the next stage; the tail samples and returns the token to the head
+// over ShardService.Loop; the head streams every token to the coordinator and, until max_tokens
+// or a stop id, computes the next decode step itself. A failure anywhere is relayed back up as a
+// StageError naming the stage, and ends the coordinator's stream with that status.
+//
+// Every request is validated before the engine sees it (validate.h). Counters and session slots
+// are held by RAII guards, so every path releases them.
+#pragma once
+
+#include "batcher.h"
+#include "dgr/shard_engine.h"
+#include "dgr/v1/shard.grpc.pb.h"
+#include "forwarding.h"
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace dgr::worker {
+
+struct ServiceOptions {
+    std::string fingerprint, llama_commit, patch_hash, lane = "cpu";
+    std::string token;  // bearer token every ShardService call must carry (empty: none)
+    uint64_t max_message_bytes = 64ull << 20;
+    int max_queue = 16;  // forwards that may wait behind the one computing; more are refused
+    int max_batch = 16;  // sessions' decode steps computed in one llama_decode (1: FIFO turns)
+};
+
+struct HeadFlow;
+
+class ShardService final : public dgr::v1::ShardService::Service {
+public:
+    ShardService(std::unique_ptr<dgr::ShardEngine> engine, ServiceOptions options, PeerOptions peers);
+    ~ShardService() override;
+
+    grpc::Status Describe(grpc::ServerContext * ctx, const dgr::v1::DescribeRequest *, dgr::v1::DescribeReply * reply) override;
+    grpc::Status Health(grpc::ServerContext * ctx, const dgr::v1::HealthRequest *, dgr::v1::HealthReply * reply) override;
+    grpc::Status OpenSession(grpc::ServerContext * ctx, const dgr::v1::OpenSessionRequest *, dgr::v1::OpenSessionReply * reply) override;
+    grpc::Status CloseSession(grpc::ServerContext * ctx, const dgr::v1::CloseSessionRequest * req, dgr::v1::CloseSessionReply *) override;
+    grpc::Status Forward(grpc::ServerContext * ctx,
+                         grpc::ServerReaderWriter<dgr::v1::ForwardReply, dgr::v1::ForwardRequest> * stream) override;
+    grpc::Status Loop(grpc::ServerContext * ctx, grpc::ServerReader<dgr::v1::ForwardReply> * reader, dgr::v1::LoopReply *) override;
+
+    void set_draining() { draining_.store(true); }
+
+private:
+    using Stream = grpc::ServerReaderWriter<dgr::v1::ForwardReply, dgr::v1::ForwardRequest>;
+    grpc::Status authorize(grpc::ServerContext * ctx) const;
+    grpc::Status compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply);
+    grpc::Status relay(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
+    grpc::Status forward_stage(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
+    grpc::Status forward_head(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
+    void release(uint64_t session, uint64_t epoch);
+
+    std::unique_ptr<dgr::ShardEngine> engine_;
+    ServiceOptions options_;
+    dgr::Description desc_;
+    Peers peers_;
+    std::atomic<bool> draining_{false};
+    std::atomic<int> in_flight_{0};
+
+    struct Prefix {
+        uint64_t epoch = 0;
+        uint64_t hash = 0;
+    };
+    std::mutex mutex_;
+    std::map<uint64_t, Prefix> hashes_;                    // per session: hash of its tokens so far
+    std::map<uint64_t, std::shared_ptr<HeadFlow>> flows_;  // forward-mode sessions this head drives
+
+    Batcher batcher_;  // turns on the engine, in arrival order; decode steps batched
+};
+
+}  // namespace dgr::worker

@@ -1,0 +1,145 @@
+#include "validate.h"
+
+#include "wire.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace dgr::worker {
+
+using grpc::Status;
+using grpc::StatusCode;
+
+namespace {
+Status invalid(const std::string & what) { return Status(StatusCode::INVALID_ARGUMENT, what); }
+constexpr size_t kMaxAddress = 255;
+}  // namespace
+
+int64_t first_non_finite(const void * data, dgr::DType dtype, int64_t n) {
+    // an all-ones exponent is infinity or NaN in every one of these formats
+    if (dtype == dgr::DType::f32) {
+        const auto * p = (const uint8_t *) data;
+        for (int64_t i = 0; i < n; ++i) {
+            uint32_t bits;
+            std::memcpy(&bits, p + 4 * i, 4);
+            if ((bits & 0x7F800000u) == 0x7F800000u) return i;
+        }
+        return -1;
+    }
+    const uint16_t mask = dtype == dgr::DType::f16 ? 0x7C00 : 0x7F80;
+    const auto * p = (const uint8_t *) data;
+    for (int64_t i = 0; i < n; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, p + 2 * i, 2);
+        if ((bits & mask) == mask) return i;
+    }
+    return -1;
+}
+
+Status validate_sampling(const dgr::v1::Sampling & s, int32_t n_vocab) {
+    if (!std::isfinite(s.temperature()) || s.temperature() < 0.0f) {
+        return invalid("sampling.temperature: " + std::to_string(s.temperature()) + " is not a finite value >= 0");
+    }
+    if (s.top_k() > (uint32_t) n_vocab) {
+        return invalid("sampling.top_k: " + std::to_string(s.top_k()) + " outside [0, " + std::to_string(n_vocab) +
+                       "] (0 turns it off)");
+    }
+    if (!std::isfinite(s.top_p()) || s.top_p() < 0.0f || s.top_p() > 1.0f) {
+        return invalid("sampling.top_p: " + std::to_string(s.top_p()) + " outside [0, 1] (0 or 1 turn it off)");
+    }
+    return Status::OK;
+}
+
+Status validate_route(const dgr::v1::RouteSpec & route, const dgr::Description & desc) {
+    const int n = route.stages_size();
+    if (n < 1) return invalid("route.stages: empty");
+    for (const auto & address : route.stages()) {
+        if (address.empty() || address.size() > kMaxAddress) {
+            return invalid("route.stages: an address is empty or longer than " + std::to_string(kMaxAddress));
+        }
+    }
+    const uint32_t i = route.stage_index();
+    if (i >= (uint32_t) n) {
+        return invalid("route.stage_index: " + std::to_string(i) + " outside the " + std::to_string(n) + " stages");
+    }
+    const std::string range = "[" + std::to_string(desc.layer_first) + ", " + std::to_string(desc.layer_last) + ")";
+    if (desc.is_head != (i == 0)) {
+        return invalid("route.stage_index: " + std::to_string(i) + " for the stage owning " + range +
+                       (desc.is_head ? ", the head" : ", not the head"));
+    }
+    if (desc.is_tail != (i + 1 == (uint32_t) n)) {
+        return invalid("route.stage_index: " + std::to_string(i) + " of " + std::to_string(n) + " for the stage owning " +
+                       range + (desc.is_tail ? ", the tail" : ", not the tail"));
+    }
+    return Status::OK;
+}
+
+Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Description & desc, DecodedForward * out) {
+    const auto & exp = req.expect();
+    const int n_tok_ids = req.token_ids_size();
+    if (req.boundary_dtype() != dgr::v1::DTYPE_UNSPECIFIED && !from_wire(req.boundary_dtype())) {
+        return invalid("boundary_dtype: unknown dtype " + std::to_string(req.boundary_dtype()));
+    }
+    if (exp.n_past() > (uint32_t) desc.n_ctx) {
+        return invalid("expect.n_past: " + std::to_string(exp.n_past()) + " beyond n_ctx " + std::to_string(desc.n_ctx));
+    }
+    if (Status st = validate_sampling(req.sampling(), desc.n_vocab); !st.ok()) return st;
+    if (req.has_route()) {
+        if (Status st = validate_route(req.route(), desc); !st.ok()) return st;
+    }
+    if (n_tok_ids > desc.n_batch) {
+        return invalid("token_ids: " + std::to_string(n_tok_ids) + " ids, at most " + std::to_string(desc.n_batch) +
+                       " per message");
+    }
+    dgr::ForwardRequest & fr = out->engine;
+    fr.session = req.session_id();
+    fr.epoch = exp.epoch();
+    fr.n_past = (int32_t) exp.n_past();
+    out->tokens.assign(req.token_ids().begin(), req.token_ids().end());
+    if (desc.is_head) {
+        if (n_tok_ids < 1) return invalid("token_ids: the head stage needs token ids");
+        if (req.has_boundary()) return invalid("boundary: the head stage takes token ids");
+        fr.tokens = out->tokens.data();
+        fr.n_tokens = n_tok_ids;
+        out->out_dtype = from_wire(req.boundary_dtype()).value_or(dgr::DType::f32);
+        return Status::OK;
+    }
+    if (!req.has_boundary()) return invalid("boundary: missing for a stage after the head");
+    const auto & b = req.boundary();
+    if (b.shape_size() != 3) return invalid("boundary.shape: expected [n_tokens, hc, n_embd]");
+    const uint64_t n = b.shape(0), hc = b.shape(1), n_embd = b.shape(2);
+    if (hc != (uint64_t) desc.boundary.hc || n_embd != (uint64_t) desc.boundary.n_embd) {
+        return invalid("boundary.shape: [" + std::to_string(n) + ", " + std::to_string(hc) + ", " + std::to_string(n_embd) +
+                       "] does not match this stage's [n_tokens, " + std::to_string(desc.boundary.hc) + ", " +
+                       std::to_string(desc.boundary.n_embd) + "]");
+    }
+    if (n < 1 || n > (uint64_t) desc.n_batch) {
+        return invalid("boundary.shape: n_tokens " + std::to_string(n) + " outside [1, " + std::to_string(desc.n_batch) + "]");
+    }
+    const std::optional<dgr::DType> wire = from_wire(b.dtype());
+    if (!wire) return invalid("boundary.dtype: unknown dtype " + std::to_string(b.dtype()));
+    const uint64_t want = n * hc * n_embd * dgr::dtype_size(*wire);
+    if (b.payload().size() != want) {
+        return invalid("boundary.payload: " + std::to_string(b.payload().size()) + " bytes, shape and dtype say " +
+                       std::to_string(want));
+    }
+    if (crc32_of(b.payload().data(), b.payload().size()) != b.crc32()) {
+        return invalid("boundary.crc32: checksum mismatch (corrupted in transit)");
+    }
+    if (const int64_t bad = first_non_finite(b.payload().data(), *wire, (int64_t) (n * hc * n_embd)); bad >= 0) {
+        return invalid("boundary.payload: value " + std::to_string(bad) + " (token " + std::to_string(bad / (hc * n_embd)) +
+                       ") is not finite");
+    }
+    if (n_tok_ids != 0 && (uint64_t) n_tok_ids != n) {
+        return invalid("token_ids: sideband length differs from the boundary's n_tokens");
+    }
+    fr.boundary = b.payload().data();
+    fr.boundary_dtype = *wire;
+    fr.n_tokens = (int32_t) n;
+    if (n_tok_ids > 0) fr.tokens = out->tokens.data();  // the sideband for hash-routed layers
+    // the coordinator's choice of output dtype; else the dtype this stage was sent
+    out->out_dtype = from_wire(req.boundary_dtype()).value_or(*wire);
+    return Status::OK;
+}
+
+}  // namespace dgr::worker

@@ -1,0 +1,35 @@
+// Validation of everything that reaches a worker over the wire, before the engine sees it. Each
+// check names the field and what was wrong; a failure is INVALID_ARGUMENT on that stream only.
+#pragma once
+
+#include "dgr/shard_engine.h"
+#include "dgr/v1/shard.pb.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dgr::worker {
+
+// A ForwardRequest decoded into what ShardEngine::forward takes. `engine` points into `tokens`
+// and into the request's boundary payload: the request must outlive it.
+struct DecodedForward {
+    dgr::ForwardRequest engine;
+    std::vector<int32_t> tokens;
+    dgr::DType out_dtype = dgr::DType::f32;  // the boundary this stage emits (tails: unused)
+};
+
+grpc::Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Description & desc, DecodedForward * out);
+
+// temperature finite and >= 0; top_k in [0, n_vocab]; top_p finite in [0, 1]
+grpc::Status validate_sampling(const dgr::v1::Sampling & s, int32_t n_vocab);
+
+// forward mode: a route that names this stage at its place ([first, last) decides head and tail)
+grpc::Status validate_route(const dgr::v1::RouteSpec & route, const dgr::Description & desc);
+
+// the first value in a boundary payload that is not finite (NaN or infinity), or -1
+int64_t first_non_finite(const void * data, dgr::DType dtype, int64_t n);
+
+}  // namespace dgr::worker

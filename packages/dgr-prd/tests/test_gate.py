@@ -1,0 +1,65 @@
+"""`dgr-prd gate`: prd.json's thresholds against the newest evidence, on a copy of the repository
+whose bench files the tests write; a miss says by how much, missing evidence is a miss."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Any
+
+from dgr_prd.gate import evaluate
+from dgr_prd.model import load_prd
+from dgr_prd.paths import RepoPaths
+
+
+def write_bench(repo: RepoPaths, name: str, when: str, metrics: dict[str, Any]) -> None:
+    bench = repo.evidence / "bench"
+    bench.mkdir(parents=True, exist_ok=True)
+    (bench / name).write_text(json.dumps({"measured_utc": when, "gate_metrics": metrics}))
+
+
+def test_the_newest_evidence_decides_and_a_miss_says_by_how_much(repo_copy: RepoPaths) -> None:
+    for stale in (repo_copy.evidence / "bench").glob("*.json"):
+        stale.unlink()
+    write_bench(
+        repo_copy, "a.json", "2030-01-01T00:00:00Z", {"bench": {"decode_ratio_3stage_vs_rpc": 2.0}}
+    )
+    write_bench(
+        repo_copy, "b.json", "2030-01-02T00:00:00Z", {"bench": {"decode_ratio_3stage_vs_rpc": 1.5}}
+    )
+    rows = {r.metric: r for r in evaluate(repo_copy, load_prd(repo_copy.prd), "alpha")}
+    rpc = rows["bench.decode_ratio_3stage_vs_rpc"]
+    assert rpc.measured is not None and rpc.measured.value == 1.5  # the newer file wins
+    assert not rpc.passed and rpc.verdict == "MISS by 0.1"
+    assert rpc.measured.source == "evidence/bench/b.json"
+    batched = rows["bench.batched_4sessions_over_fifo"]
+    assert batched.measured is None and batched.verdict == "MISS: no evidence"
+
+
+def test_the_command_fails_unless_every_threshold_passes(repo_copy: RepoPaths) -> None:
+    root = repo_copy.root
+    for stale in (repo_copy.evidence / "bench").glob("*.json"):
+        stale.unlink()
+    prd = load_prd(repo_copy.prd)
+    alpha = next(g for g in prd.gates if g.id.value == "alpha")
+    passing: dict[str, dict[str, float]] = {}
+    for t in alpha.thresholds:
+        section, key = t.metric.split(".", 1)
+        value = t.value if t.op == "==" else t.value + (0.5 if t.op == ">=" else -0.5)
+        passing.setdefault(section, {})[key] = value
+    write_bench(repo_copy, "all.json", "2031-01-01T00:00:00Z", passing)
+
+    def gate() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["dgr-prd", "gate", "alpha"], cwd=root, capture_output=True, text=True, check=False
+        )
+
+    ok = gate()
+    assert ok.returncode == 0, ok.stderr
+    assert "| pass |" in ok.stdout and "MISS" not in ok.stdout
+    section, key = alpha.thresholds[1].metric.split(".", 1)
+    passing[section][key] = alpha.thresholds[1].value - 0.25
+    write_bench(repo_copy, "all.json", "2031-01-02T00:00:00Z", passing)
+    missed = gate()
+    assert missed.returncode == 1
+    assert f"{alpha.thresholds[1].metric}: MISS by 0.25" in missed.stderr

@@ -1,0 +1,198 @@
+"""Every field that reaches a real dgr-shard-worker is validated, and a refused request leaves
+nothing behind: no queue slot, no session slot, no cache. Regression tests for the defects where
+one request disabled a worker for good (top_k cast to int32, a leaked in-flight counter) or held a
+session slot after a refusal, and for a NaN boundary that was accepted."""
+
+from __future__ import annotations
+
+import math
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from dgr.v1 import shard_pb2 as pb
+from dgr.v1 import shard_pb2_grpc as pb_grpc
+from dgr_route.codec import FNV_OFFSET, encode, prefix_hash
+from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+
+# FNV-1a 64 over little-endian int32 ids: the cache expectation every stage and the coordinator
+# compute (native/worker/wire.cpp and dgr_route.codec.prefix_hash must both give these)
+PREFIX_VECTORS = [
+    ([], 0xCBF29CE484222325),
+    ([1, 2, 3], 0xFD1F0F4381EB0395),
+    ([49151, 0, 1000, 7], 0xCE458719C83A1389),
+]
+
+
+@pytest.fixture(scope="module")
+def fleet(smollm2: Path) -> Iterator[dict[str, WorkerProcess]]:
+    descriptor = descriptor_args(smollm2)
+    started = {
+        "whole": start_worker(smollm2, 0, 30, descriptor=descriptor, n_ctx=256, max_sessions=2),
+        "tail": start_worker(smollm2, 20, 30, descriptor=descriptor, n_ctx=256, max_sessions=2),
+    }
+    yield started
+    for w in started.values():
+        w.stop()
+
+
+def stub(worker: WorkerProcess) -> pb_grpc.ShardServiceStub:
+    return pb_grpc.ShardServiceStub(grpc.insecure_channel(worker.address))
+
+
+def forward(worker: WorkerProcess, request: pb.ForwardRequest) -> pb.ForwardReply:
+    """One request on a stream read to its end: the call ends normally, and a session the request
+    opened stays open until CloseSession (an abandoned stream would free it)."""
+    [reply] = list(stub(worker).Forward(iter([request]), timeout=30))
+    return reply
+
+
+def health(worker: WorkerProcess) -> pb.HealthReply:
+    reply: pb.HealthReply = stub(worker).Health(pb.HealthRequest(), timeout=10)
+    return reply
+
+
+def refusal(worker: WorkerProcess, request: pb.ForwardRequest) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        forward(worker, request)
+    return info.value
+
+
+def tokens_request(session: int, tokens: list[int], **sampling: float) -> pb.ForwardRequest:
+    return pb.ForwardRequest(
+        session_id=session,
+        token_ids=tokens,
+        expect=pb.CacheExpectation(epoch=1, prefix_hash=FNV_OFFSET),
+        sampling=pb.Sampling(**sampling),
+    )
+
+
+@pytest.mark.parametrize(
+    "sampling,needle",
+    [
+        ({"temperature": 1.0, "top_k": 2**32 - 1}, "sampling.top_k"),
+        ({"temperature": 1.0, "top_k": 49153}, "sampling.top_k"),
+        ({"temperature": math.nan}, "sampling.temperature"),
+        ({"temperature": -0.5}, "sampling.temperature"),
+        ({"temperature": math.inf}, "sampling.temperature"),
+        ({"temperature": 1.0, "top_p": 1.5}, "sampling.top_p"),
+        ({"temperature": 1.0, "top_p": math.nan}, "sampling.top_p"),
+        ({"temperature": 1.0, "top_p": -0.1}, "sampling.top_p"),
+    ],
+)
+def test_bad_sampling_is_invalid_argument(
+    fleet: dict[str, WorkerProcess], sampling: dict[str, float], needle: str
+) -> None:
+    err = refusal(fleet["whole"], tokens_request(501, [1, 2, 3], **sampling))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in (err.details() or "")
+
+
+def test_refused_requests_release_the_queue_and_the_worker_keeps_serving(
+    fleet: dict[str, WorkerProcess],
+) -> None:
+    whole = fleet["whole"]
+    for _ in range(20):  # more than --max-queue (16): a leaked counter would lock the worker
+        refusal(whole, tokens_request(502, [1, 2, 3], temperature=1.0, top_k=2**32 - 1))
+    assert health(whole).queue_depth == 0
+    ok = forward(whole, tokens_request(503, [1, 2, 3], temperature=1.0, top_k=40, top_p=0.9))
+    assert 0 <= ok.token.token_id < 49152 and ok.token.logprob <= 0.0
+    stub(whole).CloseSession(pb.CloseSessionRequest(session_id=503), timeout=10)
+
+
+def test_a_request_beyond_n_ctx_holds_no_session_slot(fleet: dict[str, WorkerProcess]) -> None:
+    whole = fleet["whole"]
+    before = health(whole).sessions
+    err = refusal(whole, tokens_request(504, list(range(1000, 1300))))  # 300 tokens, n_ctx 256
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "n_ctx" in (err.details() or "")
+    assert health(whole).sessions == before
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_a_non_finite_boundary_is_invalid_argument(
+    fleet: dict[str, WorkerProcess], bad: float, dtype: str
+) -> None:
+    values = np.zeros((2, 576), dtype=np.float32)
+    values[1, 17] = bad
+    request = pb.ForwardRequest(
+        session_id=505, expect=pb.CacheExpectation(epoch=1), boundary=encode(values, dtype)
+    )
+    err = refusal(fleet["tail"], request)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not finite" in (err.details() or "") and "token 1" in (err.details() or "")
+    assert health(fleet["tail"]).sessions == 0
+
+
+@pytest.mark.parametrize("tokens,expected", PREFIX_VECTORS)
+def test_the_prefix_hash_is_one_function_in_both_languages(
+    fleet: dict[str, WorkerProcess], tokens: list[int], expected: int
+) -> None:
+    assert prefix_hash(tokens, FNV_OFFSET) == expected
+    if tokens:
+        reply = forward(fleet["whole"], tokens_request(506, tokens))
+        assert reply.prefix_hash == expected
+        stub(fleet["whole"]).CloseSession(pb.CloseSessionRequest(session_id=506), timeout=10)
+
+
+def test_forward_mode_checks_the_route(fleet: dict[str, WorkerProcess]) -> None:
+    whole, tail = fleet["whole"], fleet["tail"]
+    route = pb.RouteSpec(stages=[whole.address, tail.address], stage_index=0)
+    request = tokens_request(507, [1, 2, 3])
+    request.route.CopyFrom(route)
+    request.last_chunk, request.max_tokens = True, 2
+    err = refusal(whole, request)  # the whole model is head and tail: index 0 of 2 is wrong
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "route.stage_index" in (err.details() or "") and "the tail" in (err.details() or "")
+    request.route.CopyFrom(pb.RouteSpec(stages=[whole.address], stage_index=3))
+    assert "route.stage_index" in (refusal(whole, request).details() or "")
+    assert health(whole).sessions == 0
+
+
+def test_loop_takes_tokens_only_for_sessions_the_head_drives(
+    fleet: dict[str, WorkerProcess],
+) -> None:
+    tokens = iter([pb.ForwardReply(session_id=508, epoch=1, token=pb.TokenResult(token_id=5))])
+    with pytest.raises(grpc.RpcError) as info:
+        stub(fleet["whole"]).Loop(tokens, timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no forward-mode session 508" in (info.value.details() or "")
+
+
+def test_health_answers_while_the_engine_computes(fleet: dict[str, WorkerProcess]) -> None:
+    import threading
+    import time
+
+    whole = fleet["whole"]
+    requests: queue.Queue[pb.ForwardRequest | None] = queue.Queue()
+    replies = stub(whole).Forward(iter(requests.get, None), timeout=60)
+    for n in range(8):  # eight 200-token prefills keep the engine busy for a while
+        requests.put(
+            pb.ForwardRequest(
+                session_id=600 + n,
+                token_ids=list(range(2000, 2200)),
+                expect=pb.CacheExpectation(epoch=1, prefix_hash=FNV_OFFSET),
+            )
+        )
+    done = threading.Event()
+    latencies: list[float] = []
+
+    def probe() -> None:
+        while not done.is_set():
+            t0 = time.perf_counter()
+            health(whole)
+            latencies.append(time.perf_counter() - t0)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    for _ in range(2):  # max_sessions 2: the rest are refused, which ends the stream
+        next(replies)
+    done.set()
+    t.join()
+    requests.put(None)
+    for n in range(2):
+        stub(whole).CloseSession(pb.CloseSessionRequest(session_id=600 + n), timeout=10)
+    assert latencies and max(latencies) < 0.2
