@@ -36,6 +36,7 @@ void Batcher::run(dgr::BatchItem & item) {
             batch[i].out_dtype = group[i]->item->out_dtype;
         }
         try {
+            const ComputeSlots::Hold slot = slots_.acquire();
             engine_.forward_batch(batch);
         } catch (...) {
             for (auto & b : batch) {

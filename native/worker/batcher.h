@@ -7,6 +7,7 @@
 #pragma once
 
 #include "dgr/shard_engine.h"
+#include "slots.h"
 
 #include <condition_variable>
 #include <deque>
@@ -16,7 +17,9 @@ namespace dgr::worker {
 
 class Batcher {
 public:
-    Batcher(dgr::ShardEngine & engine, int32_t max_batch) : engine_(engine), max_batch_(max_batch) {}
+    // each llama_decode holds one of the host's compute slots (slots.h)
+    Batcher(dgr::ShardEngine & engine, int32_t max_batch, ComputeSlots & slots)
+        : engine_(engine), max_batch_(max_batch), slots_(slots) {}
 
     // computes `item`, with whatever waits beside it; on return item.result or item.error is set
     void run(dgr::BatchItem & item);
@@ -32,6 +35,7 @@ private:
 
     dgr::ShardEngine & engine_;
     const int32_t max_batch_;
+    ComputeSlots & slots_;
     mutable std::mutex mutex_;
     std::condition_variable cv_;
     std::deque<Waiting *> queue_;

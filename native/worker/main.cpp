@@ -14,6 +14,8 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
+#include <unistd.h>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -32,6 +34,7 @@ struct Args {
     int poll = 0;      // ggml threadpool spin level between graphs (0 sleeps, 100 spins)
     bool mtp = false;  // serve MTP (nextn) layers: reserved, the engine refuses it in alpha
     bool warmup = true;
+    std::string compute_slots = "auto";  // a directory, "auto" or "none"
     std::string tls_cert, tls_key, tls_client_ca, peer_ca;  // PEM contents
     dgr::worker::ServiceOptions service;
 };
@@ -88,6 +91,7 @@ void parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--poll") a.poll = to_int(k, val(), 0, 100);
         else if (k == "--mtp") a.mtp = true;
         else if (k == "--no-warmup") a.warmup = false;
+        else if (k == "--compute-slots") a.compute_slots = val();
         else if (k == "--auth-token-file") {
             std::string token = read_file(val(), k);
             while (!token.empty() && (token.back() == '\n' || token.back() == '\r' || token.back() == ' ')) token.pop_back();
@@ -140,7 +144,7 @@ int main(int argc, char ** argv) {
                      "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--max-batch N]\n"
                      "  [--lane cpu]\n"
                      "  [--model-fingerprint HEX] [--llama-commit SHA] [--patch-stack SHA] [--drain-seconds N]\n"
-                     "  [--poll 0-100] [--no-warmup] [--mtp] [--auth-token-file F]\n"
+                     "  [--poll 0-100] [--no-warmup] [--compute-slots DIR|auto|none] [--mtp] [--auth-token-file F]\n"
                      "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F]\n";
         return 2;
     }
@@ -162,6 +166,17 @@ int main(int argc, char ** argv) {
         std::cerr << "dgr-shard-worker: " << e.what() << "\n";
         return 3;
     }
+    // compute slots shared with the other workers of this host (slots.h); "auto": a directory per
+    // user and thread count under the temporary directory
+    if (args.compute_slots != "none") {
+        std::string dir = args.compute_slots;
+        if (dir == "auto") {
+            const char * tmp = std::getenv("TMPDIR");
+            dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/dgr-compute-slots-" + std::to_string(getuid());
+        }
+        args.service.compute_slots_dir = dir;
+        args.service.compute_slots = dgr::worker::default_slot_count(args.threads);
+    }
     // peers (the next stage, the head) are reached with this worker's own credentials
     dgr::worker::PeerOptions peers;
     peers.ca = args.peer_ca.empty() ? args.tls_client_ca : args.peer_ca;
@@ -171,7 +186,14 @@ int main(int argc, char ** argv) {
     }
     peers.token = args.service.token;
     peers.max_message_bytes = args.service.max_message_bytes;
-    dgr::worker::ShardService service(std::move(engine), args.service, peers);
+    std::unique_ptr<dgr::worker::ShardService> service_ptr;
+    try {
+        service_ptr = std::make_unique<dgr::worker::ShardService>(std::move(engine), args.service, peers);
+    } catch (const std::exception & e) {
+        std::cerr << "dgr-shard-worker: " << e.what() << "\n";
+        return 2;
+    }
+    dgr::worker::ShardService & service = *service_ptr;
 
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;

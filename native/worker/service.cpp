@@ -96,7 +96,8 @@ ShardService::ShardService(std::unique_ptr<dgr::ShardEngine> engine, ServiceOpti
       options_(std::move(options)),
       desc_(engine_->describe()),
       peers_(std::move(peers)),
-      batcher_(*engine_, std::min(options_.max_batch, desc_.n_batch)) {}
+      slots_(options_.compute_slots_dir, options_.compute_slots),
+      batcher_(*engine_, std::min(options_.max_batch, desc_.n_batch), slots_) {}
 
 ShardService::~ShardService() = default;
 

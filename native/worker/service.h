@@ -32,6 +32,8 @@ struct ServiceOptions {
     uint64_t max_message_bytes = 64ull << 20;
     int max_queue = 16;  // forwards that may wait behind the one computing; more are refused
     int max_batch = 16;  // sessions' decode steps computed in one llama_decode (1: FIFO turns)
+    std::string compute_slots_dir;  // shared by the host's workers (empty: no slots)
+    int compute_slots = 1;
 };
 
 struct HeadFlow;
@@ -75,6 +77,7 @@ private:
     std::map<uint64_t, Prefix> hashes_;                    // per session: hash of its tokens so far
     std::map<uint64_t, std::shared_ptr<HeadFlow>> flows_;  // forward-mode sessions this head drives
 
+    ComputeSlots slots_;
     Batcher batcher_;  // turns on the engine, in arrival order; decode steps batched
 };
 

@@ -196,3 +196,36 @@ def test_health_answers_while_the_engine_computes(fleet: dict[str, WorkerProcess
     for n in range(2):
         stub(whole).CloseSession(pb.CloseSessionRequest(session_id=600 + n), timeout=10)
     assert latencies and max(latencies) < 0.2
+
+
+def test_a_worker_computes_only_in_a_free_host_slot(smollm2: Path, tmp_path: Path) -> None:
+    """Workers of one host take turns through flock'd slot files (cores / threads of them):
+    while this test holds every slot, a forward waits; once they are free it completes."""
+    import fcntl
+    import os
+    import threading
+    import time
+
+    slots = tmp_path / "slots"
+    worker = start_worker(
+        smollm2, 0, 30, threads=1, n_ctx=256, extra=["--compute-slots", str(slots)]
+    )
+    try:
+        files = sorted(slots.glob("slot-*"))
+        assert len(files) == max(1, os.cpu_count() or 1)  # cores / 1 thread
+        held = [os.open(f, os.O_RDWR) for f in files]
+        for fd in held:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        replies: list[pb.ForwardReply] = []
+        t = threading.Thread(
+            target=lambda: replies.append(forward(worker, tokens_request(700, [1, 2, 3])))
+        )
+        t.start()
+        time.sleep(1.5)
+        assert not replies and health(worker).queue_depth == 1  # waiting for a slot
+        for fd in held:
+            os.close(fd)  # closing releases the lock
+        t.join(30)
+        assert len(replies) == 1 and replies[0].n_past == 3
+    finally:
+        worker.stop()

@@ -74,6 +74,8 @@ def rpc_decode_tps(bench_bin: Path, model: Path, addresses: list[str]) -> float:
             "0",
             "-n",
             str(DECODE_TOKENS),
+            "-d",
+            str(len(PROMPT)),  # decode after a prompt, as the DGR rows do
             "-t",
             "1",
             "-r",

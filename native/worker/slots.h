@@ -1,0 +1,47 @@
+// Compute slots shared by the workers of one host. ggml's barriers spin: when several workers on
+// one machine compute at once with more threads in total than it has cores, a preempted thread
+// stalls its whole graph for a scheduler slice (measured on 2 cores: 3 workers x 2 threads
+// serving 4 sessions at once fell from ~100 to 3-7 tokens/s). Workers therefore take one of
+// cores / threads slots for each llama_decode: flock'd files in a directory they share, which
+// the kernel releases if a worker dies holding one. A worker alone on its host always finds a
+// slot free (two syscalls per forward).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace dgr::worker {
+
+class ComputeSlots {
+public:
+    // `dir` empty: no slots (every compute proceeds at once); otherwise n >= 1 slot files in dir
+    ComputeSlots(const std::string & dir, int n);
+    ~ComputeSlots();
+    ComputeSlots(const ComputeSlots &) = delete;
+    ComputeSlots & operator=(const ComputeSlots &) = delete;
+
+    class Hold {
+    public:
+        Hold() = default;
+        explicit Hold(int fd) : fd_(fd) {}
+        Hold(Hold && other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+        Hold & operator=(Hold &&) = delete;
+        Hold(const Hold &) = delete;
+        ~Hold();
+
+    private:
+        int fd_ = -1;
+    };
+
+    Hold acquire();  // blocks until a slot is free
+    int count() const { return (int) fds_.size(); }
+
+private:
+    std::vector<int> fds_;
+    int next_ = 0;
+};
+
+// cores / threads, at least 1
+int default_slot_count(int threads);
+
+}  // namespace dgr::worker
