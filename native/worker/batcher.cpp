@@ -4,25 +4,38 @@
 
 namespace dgr::worker {
 
+Batcher::Batcher(dgr::ShardEngine & engine, int32_t max_batch, ComputeSlots & slots)
+    : engine_(engine), max_batch_(max_batch), slots_(slots), thread_([this] { compute_loop(); }) {}
+
+Batcher::~Batcher() {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stop_ = true;
+    }
+    work_cv_.notify_all();
+    thread_.join();
+}
+
 void Batcher::run(dgr::BatchItem & item) {
     Waiting me{&item};
     std::unique_lock<std::mutex> lock(mutex_);
     queue_.push_back(&me);
-    while (!me.done) {
-        if (busy_) {
-            cv_.wait(lock);
-            continue;
-        }
-        // lead: the oldest request, and the decode steps waiting behind it when it is one too
-        busy_ = true;
+    work_cv_.notify_one();
+    done_cv_.wait(lock, [&] { return me.done; });
+}
+
+void Batcher::compute_loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+        work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, nothing left
+        // the oldest request, and the decode steps waiting behind it when it is one too
         std::vector<Waiting *> group{queue_.front()};
         queue_.pop_front();
         if (group[0]->item->request.n_tokens == 1) {
-            int32_t tokens = 1;
-            for (auto it = queue_.begin(); it != queue_.end() && tokens < max_batch_;) {
+            for (auto it = queue_.begin(); it != queue_.end() && (int32_t) group.size() < max_batch_;) {
                 if ((*it)->item->request.n_tokens == 1) {
                     group.push_back(*it);
-                    ++tokens;
                     it = queue_.erase(it);
                 } else {
                     ++it;
@@ -50,8 +63,7 @@ void Batcher::run(dgr::BatchItem & item) {
             group[i]->done = true;
         }
         widest_ = std::max(widest_, group.size());
-        busy_ = false;
-        cv_.notify_all();
+        done_cv_.notify_all();
     }
 }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dgr_route.route import Route, RouteError
@@ -120,3 +121,70 @@ def test_without_a_replacement_the_failure_surfaces(
         list(stream)
     assert info.value.stage == 1 and doomed.address in str(info.value)
     doomed.stop()
+
+
+def test_replay_batches_equal_decode_steps(engine_module: Any, smollm2: Path) -> None:
+    """What makes a re-prefill exact: on this lane, generated tokens fed back in batches of
+    REPLAY_BATCH give every logits row bit for bit as the decode steps that produced them did,
+    and a history batched whole does not (the threshold is pinned from both sides)."""
+    import numpy as np
+    from dgr_route.route import REPLAY_BATCH
+
+    engine = engine_module.Engine(str(smollm2), n_threads=2, n_ctx=512, max_sessions=2)
+    prompt = np.array([1000 + (i * 7) % 5000 for i in range(40)], dtype=np.int32)
+    n_gen = 2 * REPLAY_BATCH + 8
+    step = engine.forward(1, 1, 0, tokens=prompt)[-1]
+    tokens, rows = [], []
+    for i in range(n_gen):
+        tokens.append(int(np.argmax(step)))
+        step = engine.forward(1, 1, 40 + i, tokens=np.array(tokens[-1:], dtype=np.int32))[-1]
+        rows.append(step)
+
+    def replayed(batch: int) -> np.ndarray:
+        engine.forward(2, 1, 0, tokens=prompt)
+        out = []
+        for start in range(0, n_gen, batch):
+            part = np.array(tokens[start : start + batch], dtype=np.int32)
+            out.append(engine.forward(2, 1, 40 + start, tokens=part, logits_all=True))
+        engine.release(2)
+        return np.concatenate(out)
+
+    exact = replayed(REPLAY_BATCH)
+    assert np.array_equal(exact.view(np.uint32), np.stack(rows).view(np.uint32))
+    whole = replayed(n_gen)  # 72 tokens at once: other kernels, other bits
+    assert not np.array_equal(whole.view(np.uint32), np.stack(rows).view(np.uint32))
+
+
+def test_a_long_history_resumes_exactly_after_a_stage_dies(
+    smollm2: Path, descriptor: list[str], fleet: dict[tuple[int, int], WorkerProcess]
+) -> None:
+    """The reliability issue's case: the middle stage killed after 50 generated tokens; the
+    re-prefill of a 50+-token history on the replacement must not change the continuation."""
+    from dgr_native.parity import reference_run
+
+    prompt, _, expected = reference_run(smollm2, 199)
+    doomed = start_worker(smollm2, 10, 20, descriptor=descriptor, n_ctx=512)
+    spare: list[WorkerProcess] = []
+
+    def replace(err: RouteError) -> Route:
+        spare.append(start_worker(smollm2, 10, 20, descriptor=descriptor, n_ctx=512))
+        return Route.open(
+            [fleet[(0, 10)].address, spare[0].address, fleet[(20, 30)].address], timeout=10
+        )
+
+    route = Route.open(
+        [fleet[(0, 10)].address, doomed.address, fleet[(20, 30)].address], timeout=10
+    )
+    session = RouteSession(route)
+    got = []
+    try:
+        for token in session.generate(prompt.tolist(), 200, replace=replace):
+            got.append(token)
+            if len(got) == 50:
+                doomed.kill()
+    finally:
+        doomed.stop()
+        for w in spare:
+            w.stop()
+    assert len(session.failures) == 1
+    assert got == expected

@@ -41,6 +41,11 @@ COMPAT_FIELDS = (
 
 
 MODES = ("forward", "relay")
+# Generated tokens replayed after a route change go in batches of at most this many tokens. The
+# original run decoded them one at a time; on the CPU lane a batch of up to 62 tokens gives logits
+# bitwise equal to one-at-a-time decoding and 64 do not (batch shape selects other kernels), so
+# larger batches could change the continuation. test_replay_batches_equal_decode_steps pins it.
+REPLAY_BATCH = 32
 STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -275,20 +280,23 @@ class Route:
         max_tokens: int,
         sampling: Sampling | None = None,
         stop: set[int] | None = None,
+        prompt_len: int | None = None,
     ) -> Generator[pb.TokenResult, None, None]:
         """Prefill `history` (the prompt, or everything so far when a session moves to this
-        route under a new epoch) from n_past 0, then decode; each result is the next token.
-        The session's caches on these stages are closed when the generator ends."""
+        route under a new epoch: then `prompt_len` says where its generated tokens start, see
+        prefill_plan) from n_past 0, then decode; each result is the next token. The session's
+        caches on these stages are closed when the generator ends."""
         sampling = sampling or Sampling()
+        chunk = min(s.describe.max_tokens_per_message for s in self.stages)
+        plan = prefill_plan(len(history), chunk, prompt_len)
         if self.mode == "forward":
-            yield from self._run_forward(session, epoch, history, max_tokens, sampling, stop)
+            yield from self._run_forward(session, epoch, history, plan, max_tokens, sampling, stop)
             return
         streams = [_Stream(s, self.timeout) for s in self.stages]
-        chunk = min(s.describe.max_tokens_per_message for s in self.stages)
         n_past, prefix = 0, FNV_OFFSET
         try:
             token = pb.TokenResult()
-            for part in chunks(len(history), chunk):
+            for part in plan:
                 tokens = history[part]
                 token = self._step(streams, session, epoch, tokens, n_past, prefix, sampling)
                 prefix = prefix_hash(tokens, prefix)
@@ -320,6 +328,7 @@ class Route:
         session: int,
         epoch: int,
         history: list[int],
+        parts: list[slice],
         max_tokens: int,
         sampling: Sampling,
         stop: set[int] | None,
@@ -328,8 +337,6 @@ class Route:
             return
         head = _Stream(self.stages[0], self.timeout)
         spec = pb.RouteSpec(stages=self.peers, stage_index=0)
-        chunk = min(s.describe.max_tokens_per_message for s in self.stages)
-        parts = list(chunks(len(history), chunk))
         n_past, prefix = 0, FNV_OFFSET
         try:
             for k, part in enumerate(parts):
@@ -420,6 +427,18 @@ class Route:
                 return reply.token
             boundary = reply.boundary
         raise RouteError(len(streams) - 1, streams[-1].stage.address, "the tail sent no token")
+
+
+def prefill_plan(n_history: int, chunk: int, prompt_len: int | None = None) -> list[slice]:
+    """How a history is prefilled: the prompt in chunks of `chunk` tokens (as the first run did),
+    then the tokens generated after it, when a session re-prefills them, in batches of at most
+    REPLAY_BATCH, which the lane computes bit for bit like the decode steps that made them."""
+    if prompt_len is None or prompt_len >= n_history:
+        return chunks(n_history, chunk)
+    replay = chunks(n_history - prompt_len, min(chunk, REPLAY_BATCH))
+    return chunks(prompt_len, chunk) + [
+        slice(s.start + prompt_len, s.stop + prompt_len) for s in replay
+    ]
 
 
 def check_mode(mode: str) -> None:

@@ -57,7 +57,13 @@ class RouteSession:
         produced = 0
         while produced < max_tokens:
             run = self.route.run(
-                self.session_id, self.epoch, history, max_tokens - produced, self.sampling, stop
+                self.session_id,
+                self.epoch,
+                history,
+                max_tokens - produced,
+                self.sampling,
+                stop,
+                prompt_len=len(prompt),  # generated tokens replay in lane-exact batches
             )
             try:
                 for result in run:
