@@ -32,6 +32,7 @@ struct Args {
     int32_t first = 0, last = -1, threads = 2, n_ctx = 2048, n_batch = 512, max_sessions = 4;
     int drain_seconds = 10;
     int poll = 0;      // ggml threadpool spin level between graphs (0 sleeps, 100 spins)
+    int prio = 0;      // compute threads' priority, as llama.cpp's --prio (0 normal .. 3 realtime)
     bool mtp = false;  // serve MTP (nextn) layers: reserved, the engine refuses it in alpha
     bool warmup = true;
     std::string compute_slots = "auto";  // a directory, "auto" or "none"
@@ -89,6 +90,7 @@ void parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--patch-stack") a.service.patch_hash = val();
         else if (k == "--drain-seconds") a.drain_seconds = to_int(k, val(), 0, 3600);
         else if (k == "--poll") a.poll = to_int(k, val(), 0, 100);
+        else if (k == "--prio") a.prio = to_int(k, val(), 0, 3);
         else if (k == "--mtp") a.mtp = true;
         else if (k == "--no-warmup") a.warmup = false;
         else if (k == "--compute-slots") a.compute_slots = val();
@@ -144,7 +146,7 @@ int main(int argc, char ** argv) {
                      "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--max-batch N]\n"
                      "  [--lane cpu]\n"
                      "  [--model-fingerprint HEX] [--llama-commit SHA] [--patch-stack SHA] [--drain-seconds N]\n"
-                     "  [--poll 0-100] [--no-warmup] [--compute-slots DIR|auto|none] [--mtp] [--auth-token-file F]\n"
+                     "  [--poll 0-100] [--prio 0-3] [--no-warmup] [--compute-slots DIR|auto|none] [--mtp] [--auth-token-file F]\n"
                      "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F]\n";
         return 2;
     }
@@ -159,6 +161,7 @@ int main(int argc, char ** argv) {
         o.n_batch = args.n_batch;
         o.max_sessions = args.max_sessions;
         o.poll = args.poll;
+        o.prio = args.prio;
         o.load_mtp = args.mtp;
         engine = dgr::ShardEngine::open(o);
         if (args.warmup) warm_up(*engine);

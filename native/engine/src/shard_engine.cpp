@@ -203,6 +203,7 @@ public:
         // threadpool that keeps spinning after its graph steals the CPU the next stage needs.
         ggml_threadpool_params tpp = ggml_threadpool_params_default(options.n_threads);
         tpp.poll = (uint32_t) options.poll;
+        tpp.prio = (ggml_sched_priority) options.prio;
         threadpool_ = ggml_threadpool_new(&tpp);
         if (threadpool_ != nullptr) {
             llama_attach_threadpool(ctx_, threadpool_, threadpool_);

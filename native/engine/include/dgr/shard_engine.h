@@ -63,6 +63,9 @@ struct EngineOptions {
     int32_t max_sessions = 4;
     int32_t poll = 0;           // threadpool spin level between graphs (0: sleep, 100: spin); a
                                 // spinning pool steals the cores the next stage computes on
+    int32_t prio = 0;           // compute threads' scheduling priority, as llama.cpp's --prio:
+                                // 0 normal, 1 medium, 2 high, 3 realtime (SCHED_FIFO; needs
+                                // CAP_SYS_NICE, else ggml warns and keeps normal)
     bool load_mtp = false;      // MTP (nextn) layers: reserved, refused in alpha
     bool estimate_only = false; // llama.cpp's dry run: describe() reports the memory the range
                                 // would take (weights, KV, compute) without allocating it;
