@@ -4,12 +4,19 @@ whose bench files the tests write; a miss says by how much, missing evidence is 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from typing import Any
 
 from dgr_prd.gate import evaluate
 from dgr_prd.model import load_prd
 from dgr_prd.paths import RepoPaths
+
+
+def no_evidence(repo: RepoPaths) -> None:
+    """The copy starts without any evidence: the test writes exactly what it reads."""
+    shutil.rmtree(repo.evidence)
+    repo.evidence.mkdir()
 
 
 def write_bench(repo: RepoPaths, name: str, when: str, metrics: dict[str, Any]) -> None:
@@ -19,8 +26,7 @@ def write_bench(repo: RepoPaths, name: str, when: str, metrics: dict[str, Any]) 
 
 
 def test_the_newest_evidence_decides_and_a_miss_says_by_how_much(repo_copy: RepoPaths) -> None:
-    for stale in (repo_copy.evidence / "bench").glob("*.json"):
-        stale.unlink()
+    no_evidence(repo_copy)
     write_bench(
         repo_copy, "a.json", "2030-01-01T00:00:00Z", {"bench": {"decode_ratio_3stage_vs_rpc": 2.0}}
     )
@@ -37,8 +43,8 @@ def test_the_newest_evidence_decides_and_a_miss_says_by_how_much(repo_copy: Repo
 
 
 def test_the_command_fails_unless_every_threshold_passes(repo_copy: RepoPaths) -> None:
-    root = repo_copy.root
-    for stale in (repo_copy.evidence / "bench").glob("*.json"):
+    root = repo_copy.root  # the CLI validates prd.json against the story records: they stay, and
+    for stale in (repo_copy.evidence / "bench").glob("*.json"):  # the bench files below are newer
         stale.unlink()
     prd = load_prd(repo_copy.prd)
     alpha = next(g for g in prd.gates if g.id.value == "alpha")
