@@ -165,17 +165,10 @@ Status ShardService::CloseSession(grpc::ServerContext * ctx, const dgr::v1::Clos
     } catch (const dgr::ShardError & e) {
         return from_shard_error(e);
     }
-    std::lock_guard<std::mutex> lock(mutex_);
-    hashes_.erase(req->session_id());
     return Status::OK;
 }
 
-void ShardService::release(uint64_t session, uint64_t epoch) {
-    engine_->release_epoch(session, epoch);
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = hashes_.find(session);
-    if (it != hashes_.end() && it->second.epoch == epoch) hashes_.erase(it);
-}
+void ShardService::release(uint64_t session, uint64_t epoch) { engine_->release_epoch(session, epoch); }
 
 Status ShardService::compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply) {
     // backpressure: a bounded queue, refused beyond it (the session's cache is untouched and the
@@ -188,25 +181,10 @@ Status ShardService::compute(const dgr::v1::ForwardRequest & req, dgr::v1::Forwa
     }
     DecodedForward d;
     if (Status st = decode_forward(req, desc_, &d); !st.ok()) return st;
+    // the cache expectation (epoch, n_past, prefix hash) is checked by the engine, atomically
+    // with the forward
+    d.engine.prefix_hash = req.expect().prefix_hash();
     const dgr::ForwardRequest & fr = d.engine;
-    const bool has_ids = !d.tokens.empty();
-    // cache expectation: the prefix hash of the session's tokens, where they travel
-    // (a request of another epoch goes on to the engine, which refuses a stale one by name)
-    uint64_t before = kPrefixHashSeed;
-    bool other_epoch = false;
-    {
-        std::lock_guard<std::mutex> lock(mutex_);
-        auto it = hashes_.find(fr.session);
-        if (it != hashes_.end()) {
-            other_epoch = it->second.epoch != fr.epoch;
-            if (fr.n_past > 0 && !other_epoch) before = it->second.hash;
-        }
-    }
-    if (has_ids && !other_epoch && req.expect().prefix_hash() != 0 && fr.n_past > 0 &&
-        req.expect().prefix_hash() != before) {
-        return Status(StatusCode::FAILED_PRECONDITION,
-                      "cache_mismatch: prefix hash differs from this shard's (its KV holds another token history)");
-    }
     dgr::BatchItem item;
     item.request = fr;
     item.out_dtype = desc_.is_tail ? dgr::DType::f32 : d.out_dtype;
@@ -226,14 +204,9 @@ Status ShardService::compute(const dgr::v1::ForwardRequest & req, dgr::v1::Forwa
         return Status(StatusCode::INTERNAL, std::string("engine: ") + e.what());
     }
     const dgr::ForwardResult & res = item.result;
-    const uint64_t after = has_ids ? prefix_hash(before, d.tokens.data(), d.tokens.size()) : 0;
-    if (has_ids) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        hashes_[fr.session] = Prefix{fr.epoch, after};
-    }
     reply->set_session_id(fr.session);
     reply->set_n_past((uint32_t) res.n_past);
-    reply->set_prefix_hash(after);
+    reply->set_prefix_hash(res.prefix_hash);
     reply->set_epoch(fr.epoch);
     if (res.is_logits) {
         auto * tok = reply->mutable_token();

@@ -69,12 +69,7 @@ private:
     std::atomic<bool> draining_{false};
     std::atomic<int> in_flight_{0};
 
-    struct Prefix {
-        uint64_t epoch = 0;
-        uint64_t hash = 0;
-    };
     std::mutex mutex_;
-    std::map<uint64_t, Prefix> hashes_;                    // per session: hash of its tokens so far
     std::map<uint64_t, std::shared_ptr<HeadFlow>> flows_;  // forward-mode sessions this head drives
 
     ComputeSlots slots_;

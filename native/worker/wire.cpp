@@ -14,7 +14,6 @@ constexpr DTypePair kDTypes[] = {
     {dgr::v1::DTYPE_F16, dgr::DType::f16},
     {dgr::v1::DTYPE_BF16, dgr::DType::bf16},
 };
-constexpr uint64_t kFnvPrime = 0x100000001B3ull;
 }  // namespace
 
 std::optional<dgr::DType> from_wire(int dtype) {
@@ -29,17 +28,6 @@ dgr::v1::DType to_wire(dgr::DType dtype) {
         if (p.engine == dtype) return p.wire;
     }
     return dgr::v1::DTYPE_UNSPECIFIED;
-}
-
-uint64_t prefix_hash(uint64_t h, const int32_t * tokens, size_t n) {
-    for (size_t i = 0; i < n; ++i) {
-        const uint32_t v = (uint32_t) tokens[i];
-        for (int b = 0; b < 4; ++b) {
-            h ^= (v >> (8 * b)) & 0xFF;
-            h *= kFnvPrime;
-        }
-    }
-    return h;
 }
 
 uint32_t crc32_of(const void * data, size_t size) {

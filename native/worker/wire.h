@@ -1,6 +1,5 @@
-// The one mapping between dgr.v1 wire types and the engine's, and the prefix hash every stage and
-// the coordinator compute over a session's token ids (dgr_route.codec.prefix_hash is its Python
-// twin; a test checks both against the same vector).
+// The one mapping between dgr.v1 wire types and the engine's, and the wire's checksums. (The
+// prefix hash of a cache expectation is the engine's: dgr::prefix_hash.)
 #pragma once
 
 #include "dgr/shard_engine.h"
@@ -14,11 +13,6 @@ namespace dgr::worker {
 // dgr.v1.DType -> engine dtype; nullopt for DTYPE_UNSPECIFIED and unknown values
 std::optional<dgr::DType> from_wire(int dtype);
 dgr::v1::DType to_wire(dgr::DType dtype);
-
-constexpr uint64_t kPrefixHashSeed = 0xCBF29CE484222325ull;  // FNV-1a 64 offset basis
-
-// FNV-1a 64 over the little-endian int32 token ids, continuing from `h`
-uint64_t prefix_hash(uint64_t h, const int32_t * tokens, size_t n);
 
 uint32_t crc32_of(const void * data, size_t size);
 

@@ -126,6 +126,8 @@ struct Session {
     llama_seq_id seq = -1;
     uint64_t epoch = 0;
     int32_t n_past = 0;
+    uint64_t hash = kPrefixHashSeed;  // prefix hash of the tokens in the cache
+    bool hash_known = true;           // false once a forward came without its token ids
 };
 
 class LlamaShardEngine final : public ShardEngine {
@@ -380,6 +382,11 @@ public:
                                                            std::to_string(s.n_past) + " + " + std::to_string(req.n_tokens) +
                                                            " tokens would exceed n_ctx " + std::to_string(options_.n_ctx));
                 }
+                if (req.tokens != nullptr && req.prefix_hash != 0 && s.n_past > 0 && s.hash_known &&
+                    req.prefix_hash != s.hash) {
+                    throw ShardError(Status::cache_mismatch,
+                                     "prefix hash differs from this shard's (its KV holds another token history)");
+                }
                 live.push_back({&item, &s, opened, total});
                 total += req.n_tokens;
             } catch (...) {
@@ -444,8 +451,14 @@ public:
         for (const Live & l : live) {
             const ForwardRequest & req = l.item->request;
             l.session->n_past += req.n_tokens;
+            if (req.tokens != nullptr) {
+                l.session->hash = prefix_hash(l.session->hash, req.tokens, (size_t) req.n_tokens);
+            } else {
+                l.session->hash_known = false;
+            }
             ForwardResult & out = l.item->result;
             out.n_past = l.session->n_past;
+            out.prefix_hash = l.session->hash_known ? l.session->hash : 0;
             if (desc_.is_tail) {
                 const int32_t n_rows = req.logits_all ? req.n_tokens : 1;
                 out.is_logits = true;
@@ -548,6 +561,8 @@ private:
             llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, -1, -1);
             s.epoch = req.epoch;
             s.n_past = 0;
+            s.hash = kPrefixHashSeed;
+            s.hash_known = true;
         }
         if (req.n_past != s.n_past) {
             throw ShardError(Status::cache_mismatch, "session " + std::to_string(req.session) + " expects n_past " +
@@ -618,6 +633,18 @@ const char * dtype_name(DType dtype) {
 size_t dtype_size(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
 
 bool range_supported(const std::string & arch) { return kRangeArchs.count(arch) > 0; }
+
+uint64_t prefix_hash(uint64_t h, const int32_t * tokens, size_t n) {
+    constexpr uint64_t kFnvPrime = 0x100000001B3ull;
+    for (size_t i = 0; i < n; ++i) {
+        const uint32_t v = (uint32_t) tokens[i];
+        for (int b = 0; b < 4; ++b) {
+            h ^= (v >> (8 * b)) & 0xFF;
+            h *= kFnvPrime;
+        }
+    }
+    return h;
+}
 
 std::unique_ptr<ShardEngine> ShardEngine::open(const EngineOptions & options) {
     return std::make_unique<LlamaShardEngine>(options);

@@ -8,8 +8,9 @@
 // it was: a session the refused forward would have opened holds no slot afterwards.
 //
 // Sessions map to llama sequence ids. A session's KV cache is local to the shard and belongs to
-// one epoch: every forward states its cache expectation (epoch, n_past), and a mismatch is a
-// typed error (Status::cache_mismatch), never a wrong answer. A new epoch starts at n_past == 0
+// one epoch: every forward states its cache expectation (epoch, n_past and, where token ids
+// travel, the prefix hash of the session's tokens), checked and advanced atomically with the
+// forward, and a mismatch is a typed error (Status::cache_mismatch), never a wrong answer. A new epoch starts at n_past == 0
 // and drops the session's old cache (a route change is a cache miss, never KV migration).
 //
 // All failures are dgr::ShardError with a Status and a message naming what was wrong; the engine
@@ -98,10 +99,17 @@ struct Description {
     uint64_t compute_bytes = 0;         // compute buffers reserved for the largest batch
 };
 
+// FNV-1a 64 over little-endian int32 token ids, continuing from `h` (start: kPrefixHashSeed):
+// the prefix hash of a cache expectation (dgr_route.codec.prefix_hash is the coordinator's twin)
+constexpr uint64_t kPrefixHashSeed = 0xCBF29CE484222325ull;
+uint64_t prefix_hash(uint64_t h, const int32_t * tokens, size_t n);
+
 struct ForwardRequest {
     uint64_t session = 0;
     uint64_t epoch = 0;
     int32_t n_past = 0;                 // cache expectation: tokens already in this session
+    uint64_t prefix_hash = 0;           // cache expectation: prefix hash of those tokens (0: not
+                                        // checked; checked only while the shard knows it)
     int32_t n_tokens = 0;
     const int32_t * tokens = nullptr;   // head: n_tokens ids; later stages: the token-ID sideband
                                         // (required where boundary.needs_token_ids)
@@ -119,6 +127,8 @@ struct ForwardResult {
     int32_t row_width = 0;
     bool is_logits = false;
     int32_t n_past = 0;                 // tokens in the session after this forward
+    uint64_t prefix_hash = 0;           // of the session's tokens after it (0: unknown, no token
+                                        // ids came with some forward of this epoch)
 };
 
 // One forward of a batch: the request, its output dtype, and after forward_batch either its result
