@@ -321,12 +321,14 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
         }
         flows_[session] = flow;
     }
+    // the first request goes in before the reader starts: the coordinator sends its chunks back
+    // to back, and the second must not overtake the first
+    flow->push(Event{Event::request, std::move(first), {}, {}});
     std::thread upstream([&] {
         dgr::v1::ForwardRequest r;
         while (stream->Read(&r)) flow->push(Event{Event::request, std::move(r), {}, {}});
         flow->push(Event{Event::closed, {}, {}, {}});
     });
-    flow->push(Event{Event::request, std::move(first), {}, {}});
 
     Status result = Status::OK;
     bool done = false, closed = false, generating = false, finished = false;

@@ -108,6 +108,25 @@ def test_long_prompt_is_chunked(
             w.stop()
 
 
+def test_forward_mode_keeps_prefill_chunks_in_order(
+    smollm2: Path, descriptor: list[str], workers: dict[tuple[int, int], WorkerProcess]
+) -> None:
+    """The coordinator sends a long prompt's chunks back to back; forward mode gives what relay
+    mode gives. (The head once let a second chunk overtake the first under load; that race showed
+    in the route-change tests, about one run in four, not reliably here.)"""
+    small = start_worker(smollm2, 0, 30, descriptor=descriptor, n_ctx=512, n_batch=16)
+    try:
+        forward = Route.open([small.address], timeout=30)
+        relay = Route.open([small.address], timeout=30, mode="relay")
+        for k in range(12):
+            prompt = [1000 + (i * 7 + k) % 5000 for i in range(40)]  # chunks of 16, 16, 8
+            assert list(forward.generate(prompt, 3)) == list(relay.generate(prompt, 3))
+        forward.close()
+        relay.close()
+    finally:
+        small.stop()
+
+
 @pytest.mark.parametrize(
     "layout,stage,needle",
     [
