@@ -4,7 +4,6 @@
 #include "validate.h"
 #include "wire.h"
 
-#include <chrono>
 #include <deque>
 #include <set>
 #include <thread>
@@ -53,6 +52,15 @@ dgr::v1::ForwardRequest next_request(const dgr::v1::ForwardRequest & req, dgr::v
     return next;
 }
 
+// the last reply of a forward-mode stream whose route failed at `e.stage`
+dgr::v1::ForwardReply error_reply(uint64_t session, uint64_t epoch, const dgr::v1::StageError & e) {
+    dgr::v1::ForwardReply r;
+    r.set_session_id(session);
+    r.set_epoch(epoch);
+    *r.mutable_error() = e;
+    return r;
+}
+
 Status one_session(const dgr::v1::ForwardRequest & req, uint64_t session, uint64_t epoch) {
     if (!req.has_route() || req.session_id() != session || req.expect().epoch() != epoch) {
         return Status(StatusCode::INVALID_ARGUMENT,
@@ -82,12 +90,12 @@ struct HeadFlow {
         }
         cv.notify_one();
     }
-    bool pop(Event * out, std::chrono::milliseconds wait) {
+    Event pop() {
         std::unique_lock<std::mutex> lock(m);
-        if (!cv.wait_for(lock, wait, [this] { return !events.empty(); })) return false;
-        *out = std::move(events.front());
+        cv.wait(lock, [this] { return !events.empty(); });
+        Event e = std::move(events.front());
         events.pop_front();
-        return true;
+        return e;
     }
 };
 
@@ -266,12 +274,8 @@ Status ShardService::forward_stage(grpc::ServerContext *, Stream * stream, dgr::
     std::atomic<bool> failed{false};
     auto report_up = [&](const dgr::v1::StageError & e) {
         if (failed.exchange(true)) return;
-        dgr::v1::ForwardReply r;
-        r.set_session_id(session);
-        r.set_epoch(epoch);
-        *r.mutable_error() = e;
         std::lock_guard<std::mutex> lock(up_mutex);
-        stream->Write(r);
+        stream->Write(error_reply(session, epoch, e));
     };
     Status result = Status::OK;
     {
@@ -337,11 +341,7 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
     dgr::v1::ForwardRequest step;  // the template of decode steps: sampling, dtype, route
     std::unique_ptr<DownstreamLink> down;
     auto fail = [&](const dgr::v1::StageError & e) {
-        dgr::v1::ForwardReply r;
-        r.set_session_id(session);
-        r.set_epoch(epoch);
-        *r.mutable_error() = e;
-        stream->Write(r);
+        stream->Write(error_reply(session, epoch, e));
         result = Status((StatusCode) e.code(), "stage " + std::to_string(e.stage()) + " (" + e.address() + "): " + e.message());
         done = true;
     };
@@ -360,11 +360,8 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
         down->write(next_request(r, &reply));  // a broken link is reported by its reader
     };
     while (!done) {
-        Event ev;
-        if (!flow->pop(&ev, std::chrono::milliseconds(200))) {
-            if (ctx->IsCancelled()) break;
-            continue;
-        }
+        // a cancelled or vanished coordinator ends the reader's Read, which queues `closed`
+        Event ev = flow->pop();
         switch (ev.kind) {
             case Event::request:
                 if (Status st = one_session(ev.req, session, epoch); !st.ok()) {
