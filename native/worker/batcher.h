@@ -4,8 +4,11 @@
 // joins its llama_decode, up to max_batch of them (1: plain FIFO turns). Prefill chunks compute
 // alone, in the batch shape their session would have had on its own.
 //
-// One compute thread drives the engine, so ggml's threadpool always has the same caller whatever
-// gRPC thread a request arrived on.
+// No thread of its own: a caller that finds the engine idle computes on its own thread (leader),
+// taking the oldest group; the others wait, and when a turn ends one of those still waiting takes
+// the next. A forward on an idle stage thus costs no handoff to another thread: every thread
+// woken on a route's per-token path is a wake-up latency on the critical path. (The lanes build
+// ggml without OpenMP, whose teams are per calling thread: ggml's own threadpool serves any caller.)
 #pragma once
 
 #include "dgr/shard_engine.h"
@@ -14,7 +17,6 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
-#include <thread>
 
 namespace dgr::worker {
 
@@ -22,7 +24,6 @@ class Batcher {
 public:
     // each llama_decode holds one of the host's compute slots (slots.h)
     Batcher(dgr::ShardEngine & engine, int32_t max_batch, ComputeSlots & slots);
-    ~Batcher();
     Batcher(const Batcher &) = delete;
     Batcher & operator=(const Batcher &) = delete;
 
@@ -37,17 +38,17 @@ private:
         dgr::BatchItem * item;
         bool done = false;
     };
-    void compute_loop();
+    // with the lock held and the engine free: compute the oldest group (unlocked meanwhile)
+    void take_turn(std::unique_lock<std::mutex> & lock);
 
     dgr::ShardEngine & engine_;
     const int32_t max_batch_;
     ComputeSlots & slots_;
     mutable std::mutex mutex_;
-    std::condition_variable work_cv_, done_cv_;
+    std::condition_variable done_cv_;
     std::deque<Waiting *> queue_;
-    bool stop_ = false;
+    bool busy_ = false;  // a turn is computing
     size_t widest_ = 0;
-    std::thread thread_;  // last: started once everything above exists
 };
 
 }  // namespace dgr::worker

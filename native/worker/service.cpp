@@ -4,6 +4,7 @@
 #include "validate.h"
 #include "wire.h"
 
+#include <chrono>
 #include <deque>
 #include <set>
 #include <thread>
@@ -97,6 +98,40 @@ struct HeadFlow {
         events.pop_front();
         return e;
     }
+};
+
+// The head's replies to the coordinator in forward mode: tokens gathered into one reply (`token`,
+// then `more_tokens`) until token_interval_ms has passed since the last reply went out. The first
+// token of a quiet stream and the last of a generation go at once.
+class TokenCoalescer {
+public:
+    using Clock = std::chrono::steady_clock;
+    explicit TokenCoalescer(std::chrono::milliseconds interval) : interval_(interval) {}
+
+    // queue a tail reply; true when the gathered reply is due now
+    bool add(dgr::v1::ForwardReply && reply, bool last) {
+        if (!pending_) {
+            reply_ = std::move(reply);
+            pending_ = true;
+        } else {
+            reply_.add_more_tokens()->Swap(reply.mutable_token());
+            reply_.set_n_past(reply.n_past());
+            reply_.set_prefix_hash(reply.prefix_hash());
+        }
+        return last || Clock::now() - sent_ >= interval_;
+    }
+    bool pending() const { return pending_; }
+    dgr::v1::ForwardReply take() {
+        pending_ = false;
+        sent_ = Clock::now();
+        return std::move(reply_);
+    }
+
+private:
+    std::chrono::milliseconds interval_;
+    Clock::time_point sent_{};  // the epoch: the first token is always due
+    dgr::v1::ForwardReply reply_;
+    bool pending_ = false;
 };
 
 ShardService::ShardService(std::unique_ptr<dgr::ShardEngine> engine, ServiceOptions options, PeerOptions peers)
@@ -312,6 +347,7 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
     using Event = HeadFlow::Event;
     const uint64_t session = first.session_id(), epoch = first.expect().epoch();
     const dgr::v1::RouteSpec route = first.route();
+    const std::chrono::milliseconds interval(first.token_interval_ms());
     auto flow = std::make_shared<HeadFlow>();
     flow->session = session;
     flow->epoch = epoch;
@@ -340,7 +376,11 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
     std::set<int32_t> stop;
     dgr::v1::ForwardRequest step;  // the template of decode steps: sampling, dtype, route
     std::unique_ptr<DownstreamLink> down;
+    // tokens go to the coordinator coalesced, at most one reply per token_interval_ms: every reply
+    // wakes a coordinator whose threads would otherwise take CPU from a stage computing
+    TokenCoalescer out(interval);
     auto fail = [&](const dgr::v1::StageError & e) {
+        if (out.pending()) stream->Write(out.take());  // what was generated before the failure
         stream->Write(error_reply(session, epoch, e));
         result = Status((StatusCode) e.code(), "stage " + std::to_string(e.stage()) + " (" + e.address() + "): " + e.message());
         done = true;
@@ -390,21 +430,24 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                 break;
             case Event::token: {
                 if (!generating) break;
-                if (!stream->Write(ev.reply)) {
+                const int32_t token = ev.reply.token().token_id();
+                const uint32_t n_past = ev.reply.n_past();
+                const uint64_t hash = ev.reply.prefix_hash();
+                const bool last = ++generated >= max_tokens || stop.count(token) > 0;
+                if (out.add(std::move(ev.reply), last) && !stream->Write(out.take())) {
                     result = Status(StatusCode::CANCELLED, "the coordinator went away");
                     done = true;
                     break;
                 }
-                const int32_t token = ev.reply.token().token_id();
-                if (++generated >= max_tokens || stop.count(token) > 0) {
+                if (last) {
                     generating = false;  // nothing past the last token: wait for the coordinator to close
                     finished = true;
                     break;
                 }
                 step.clear_token_ids();
                 step.add_token_ids(token);
-                step.mutable_expect()->set_n_past(ev.reply.n_past());
-                step.mutable_expect()->set_prefix_hash(ev.reply.prefix_hash());
+                step.mutable_expect()->set_n_past(n_past);
+                step.mutable_expect()->set_prefix_hash(hash);
                 process(step);
                 break;
             }

@@ -53,10 +53,14 @@ public:
 
     void set_draining() { draining_.store(true); }
 
+    // One request through validation, the engine and (at the tail) the sampler, into its reply:
+    // what both modes run for every request that arrives. (Public for the fuzz harness, which
+    // feeds it bytes as they come off the wire.)
+    grpc::Status compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply);
+
 private:
     using Stream = grpc::ServerReaderWriter<dgr::v1::ForwardReply, dgr::v1::ForwardRequest>;
     grpc::Status authorize(grpc::ServerContext * ctx) const;
-    grpc::Status compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply);
     grpc::Status relay(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
     grpc::Status forward_stage(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
     grpc::Status forward_head(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);

@@ -13,6 +13,7 @@ using grpc::StatusCode;
 namespace {
 Status invalid(const std::string & what) { return Status(StatusCode::INVALID_ARGUMENT, what); }
 constexpr size_t kMaxAddress = 255;
+constexpr uint32_t kMaxTokenIntervalMs = 10000;
 }  // namespace
 
 int64_t first_non_finite(const void * data, dgr::DType dtype, int64_t n) {
@@ -82,6 +83,10 @@ Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Descriptio
     }
     if (exp.n_past() > (uint32_t) desc.n_ctx) {
         return invalid("expect.n_past: " + std::to_string(exp.n_past()) + " beyond n_ctx " + std::to_string(desc.n_ctx));
+    }
+    if (req.token_interval_ms() > kMaxTokenIntervalMs) {
+        return invalid("token_interval_ms: " + std::to_string(req.token_interval_ms()) + " above " +
+                       std::to_string(kMaxTokenIntervalMs));
     }
     if (Status st = validate_sampling(req.sampling(), desc.n_vocab); !st.ok()) return st;
     if (req.has_route()) {

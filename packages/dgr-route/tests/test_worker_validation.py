@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import queue
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -164,7 +165,6 @@ def test_loop_takes_tokens_only_for_sessions_the_head_drives(
 
 def test_health_answers_while_the_engine_computes(fleet: dict[str, WorkerProcess]) -> None:
     import threading
-    import time
 
     whole = fleet["whole"]
     requests: queue.Queue[pb.ForwardRequest | None] = queue.Queue()
@@ -204,7 +204,6 @@ def test_a_worker_computes_only_in_a_free_host_slot(smollm2: Path, tmp_path: Pat
     import fcntl
     import os
     import threading
-    import time
 
     slots = tmp_path / "slots"
     worker = start_worker(
@@ -229,3 +228,63 @@ def test_a_worker_computes_only_in_a_free_host_slot(smollm2: Path, tmp_path: Pat
         assert len(replies) == 1 and replies[0].n_past == 3
     finally:
         worker.stop()
+
+
+def head_replies(
+    worker: WorkerProcess, request: pb.ForwardRequest, n_tokens: int
+) -> list[pb.ForwardReply]:
+    """A forward-mode generation on a 1-stage route, read reply by reply until `n_tokens` tokens
+    came, then closed as the coordinator closes it."""
+    requests: queue.Queue[pb.ForwardRequest | None] = queue.Queue()
+    requests.put(request)
+    stream = stub(worker).Forward(iter(requests.get, None), timeout=60)
+    replies: list[pb.ForwardReply] = []
+    while sum(1 + len(r.more_tokens) for r in replies) < n_tokens:
+        replies.append(next(stream))
+    requests.put(None)
+    assert list(stream) == []
+    return replies
+
+
+def test_the_head_coalesces_the_tokens_it_streams(fleet: dict[str, WorkerProcess]) -> None:
+    """token_interval_ms: the first token goes at once, the rest gather until the interval has
+    passed, the last goes at once; the tokens are the ones a reply per token carries."""
+    whole = fleet["whole"]
+    prompt = [1000 + (i * 7) % 5000 for i in range(40)]
+
+    def generation(
+        session: int, interval: int, stop: list[int], n: int = 24
+    ) -> list[pb.ForwardReply]:
+        request = tokens_request(session, prompt)
+        request.route.CopyFrom(pb.RouteSpec(stages=[whole.address], stage_index=0))
+        request.last_chunk, request.max_tokens = True, 24
+        request.token_interval_ms = interval
+        request.stop_ids.extend(stop)
+        return head_replies(whole, request, n)
+
+    each = generation(509, 0, [])
+    assert [len(r.more_tokens) for r in each] == [0] * 24
+    tokens = [r.token.token_id for r in each]
+    gathered = generation(510, 10_000, [])  # 24 tokens take well under 10 s
+    assert len(gathered) == 2 and len(gathered[0].more_tokens) == 0
+    assert [gathered[0].token.token_id, gathered[1].token.token_id] + [
+        t.token_id for t in gathered[1].more_tokens
+    ] == tokens
+    assert gathered[1].n_past == each[-1].n_past and gathered[1].prefix_hash == each[-1].prefix_hash
+    # a stop id ends the generation: its token goes at once, not after the interval
+    stop = tokens[5]
+    stopped = generation(511, 10_000, [stop], tokens.index(stop) + 1)
+    got = [stopped[0].token.token_id]
+    for r in stopped[1:]:
+        got += [r.token.token_id] + [t.token_id for t in r.more_tokens]
+    assert got == tokens[: tokens.index(stop) + 1] and len(stopped) == 2
+    deadline = time.monotonic() + 10
+    while health(whole).sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert health(whole).sessions == 0
+    request = tokens_request(512, prompt)
+    request.token_interval_ms = 10_001
+    err = refusal(whole, request)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_interval_ms" in (
+        err.details() or ""
+    )

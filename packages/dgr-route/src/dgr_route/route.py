@@ -46,6 +46,10 @@ MODES = ("forward", "relay")
 # bitwise equal to one-at-a-time decoding and 64 do not (batch shape selects other kernels), so
 # larger batches could change the continuation. test_replay_batches_equal_decode_steps pins it.
 REPLAY_BATCH = 32
+# forward mode: the head streams tokens at most this often, the ones between in one reply; every
+# reply wakes this process, and its threads would take CPU from a stage computing on the same
+# host. 25 ms is below what a reader of a stream notices; the first token and the last go at once.
+TOKEN_INTERVAL_MS = 25
 STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -196,6 +200,7 @@ class Route:
     # forward mode: the stages' addresses as the stages reach each other (default: as the
     # coordinator reaches them)
     peers: list[str] = field(default_factory=list)
+    token_interval_ms: int = TOKEN_INTERVAL_MS  # forward mode (0: every token in its own reply)
     n_layer: int = field(init=False)
     wire: SeamTraffic = field(init=False)  # relay mode: what crossed the seams through here
 
@@ -218,6 +223,7 @@ class Route:
         security: Security = PLAIN,
         mode: str = "forward",
         peers: list[str] | None = None,
+        token_interval_ms: int = TOKEN_INTERVAL_MS,
     ) -> Route:
         check_wire_dtype(wire_dtype)  # before connecting to anything
         check_mode(mode)
@@ -240,7 +246,7 @@ class Route:
                 raise RouteError(
                     stage.index, stage.address, f"does not accept a {wire_dtype} boundary"
                 )
-        return cls(stages, timeout, wire_dtype, mode, list(peers or []))
+        return cls(stages, timeout, wire_dtype, mode, list(peers or []), token_interval_ms)
 
     def close(self) -> None:
         for stage in self.stages:
@@ -354,11 +360,13 @@ class Route:
                         last_chunk=last,
                         max_tokens=max_tokens if last else 0,
                         stop_ids=sorted(stop or ()),
+                        token_interval_ms=self.token_interval_ms,
                     )
                 )
                 prefix = prefix_hash(tokens, prefix)
                 n_past += len(tokens)
-            for i in range(max_tokens):
+            generated = 0
+            while True:
                 reply = head.receive(self._stuck)
                 if reply.HasField("error"):
                     e = reply.error
@@ -367,9 +375,11 @@ class Route:
                     raise RouteError(
                         0, self.stages[0].address, "the head sent a reply without a token"
                     )
-                yield reply.token
-                if (stop and reply.token.token_id in stop) or i == max_tokens - 1:
-                    return
+                for token in (reply.token, *reply.more_tokens):
+                    yield token
+                    generated += 1
+                    if (stop and token.token_id in stop) or generated == max_tokens:
+                        return
         finally:
             # the head stops decoding and ends its stream once every stage after it has ended
             # its own and freed the session: when this returns, the route holds nothing

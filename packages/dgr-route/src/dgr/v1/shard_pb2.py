@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x64gr/v1/shard.proto\x12\x06\x64gr.v1\"b\n\x0c\x42oundarySpec\x12\n\n\x02hc\x18\x01 \x01(\r\x12\x0e\n\x06n_embd\x18\x02 \x01(\r\x12\x17\n\x0fneeds_token_ids\x18\x03 \x01(\x08\x12\x1d\n\x06\x64types\x18\x04 \x03(\x0e\x32\r.dgr.v1.DType\"\xaf\x01\n\x17\x43ompatibilityDescriptor\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x18\n\x10llama_cpp_commit\x18\x02 \x01(\t\x12\x1a\n\x12patch_stack_sha256\x18\x03 \x01(\t\x12\x16\n\x0eschema_version\x18\x04 \x01(\r\x12\x0c\n\x04lane\x18\x05 \x01(\t\x12\x0c\n\x04\x61rch\x18\x06 \x01(\t\x12\x0f\n\x07n_layer\x18\x07 \x01(\r\"\x11\n\x0f\x44\x65scribeRequest\"\xf8\x01\n\rDescribeReply\x12\x36\n\rcompatibility\x18\x01 \x01(\x0b\x32\x1f.dgr.v1.CompatibilityDescriptor\x12\x13\n\x0blayer_first\x18\x02 \x01(\r\x12\x12\n\nlayer_last\x18\x03 \x01(\r\x12&\n\x08\x62oundary\x18\x04 \x01(\x0b\x32\x14.dgr.v1.BoundarySpec\x12\r\n\x05n_ctx\x18\x05 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\r\x12\x1e\n\x16max_tokens_per_message\x18\x07 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\x04\"F\n\x10\x43\x61\x63heExpectation\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06n_past\x18\x02 \x01(\r\x12\x13\n\x0bprefix_hash\x18\x03 \x01(\x06\"W\n\x08\x42oundary\x12\x1c\n\x05\x64type\x18\x01 \x01(\x0e\x32\r.dgr.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\"`\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x13\n\x0bwant_logits\x18\x05 \x01(\x08\"\xd4\x02\n\x0e\x46orwardRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12(\n\x06\x65xpect\x18\x02 \x01(\x0b\x32\x18.dgr.v1.CacheExpectation\x12\x11\n\tpositions\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\"\n\x08\x62oundary\x18\x05 \x01(\x0b\x32\x10.dgr.v1.Boundary\x12\x13\n\x0b\x63hunk_index\x18\x06 \x01(\r\x12\x12\n\nlast_chunk\x18\x07 \x01(\x08\x12\"\n\x08sampling\x18\x08 \x01(\x0b\x32\x10.dgr.v1.Sampling\x12%\n\x0e\x62oundary_dtype\x18\t \x01(\x0e\x32\r.dgr.v1.DType\x12 \n\x05route\x18\n \x01(\x0b\x32\x11.dgr.v1.RouteSpec\x12\x12\n\nmax_tokens\x18\x0b \x01(\r\x12\x10\n\x08stop_ids\x18\x0c \x03(\x05\"0\n\tRouteSpec\x12\x0e\n\x06stages\x18\x01 \x03(\t\x12\x13\n\x0bstage_index\x18\x02 \x01(\r\"K\n\nStageError\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"R\n\x0bTokenResult\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12 \n\x06logits\x18\x03 \x01(\x0b\x32\x10.dgr.v1.Boundary\"\xcf\x01\n\x0c\x46orwardReply\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x0e\n\x06n_past\x18\x02 \x01(\r\x12\x13\n\x0bprefix_hash\x18\x03 \x01(\x06\x12$\n\x08\x62oundary\x18\x04 \x01(\x0b\x32\x10.dgr.v1.BoundaryH\x00\x12$\n\x05token\x18\x05 \x01(\x0b\x32\x13.dgr.v1.TokenResultH\x00\x12!\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x12.dgr.v1.StageError\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x42\x08\n\x06output\"\x0b\n\tLoopReply\"7\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"!\n\x10OpenSessionReply\x12\r\n\x05n_ctx\x18\x01 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\"\x13\n\x11\x43loseSessionReply\"\x0f\n\rHealthRequest\"}\n\x0bHealthReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12\x10\n\x08sessions\x18\x03 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\r\x12\x14\n\x0cwidest_batch\x18\x06 \x01(\r*L\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\r\n\tDTYPE_F32\x10\x01\x12\r\n\tDTYPE_F16\x10\x02\x12\x0e\n\nDTYPE_BF16\x10\x03\x32\xfd\x02\n\x0cShardService\x12:\n\x08\x44\x65scribe\x12\x17.dgr.v1.DescribeRequest\x1a\x15.dgr.v1.DescribeReply\x12\x34\n\x06Health\x12\x15.dgr.v1.HealthRequest\x1a\x13.dgr.v1.HealthReply\x12\x43\n\x0bOpenSession\x12\x1a.dgr.v1.OpenSessionRequest\x1a\x18.dgr.v1.OpenSessionReply\x12\x46\n\x0c\x43loseSession\x12\x1b.dgr.v1.CloseSessionRequest\x1a\x19.dgr.v1.CloseSessionReply\x12;\n\x07\x46orward\x12\x16.dgr.v1.ForwardRequest\x1a\x14.dgr.v1.ForwardReply(\x01\x30\x01\x12\x31\n\x04Loop\x12\x14.dgr.v1.ForwardReply\x1a\x11.dgr.v1.LoopReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x64gr/v1/shard.proto\x12\x06\x64gr.v1\"b\n\x0c\x42oundarySpec\x12\n\n\x02hc\x18\x01 \x01(\r\x12\x0e\n\x06n_embd\x18\x02 \x01(\r\x12\x17\n\x0fneeds_token_ids\x18\x03 \x01(\x08\x12\x1d\n\x06\x64types\x18\x04 \x03(\x0e\x32\r.dgr.v1.DType\"\xaf\x01\n\x17\x43ompatibilityDescriptor\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x18\n\x10llama_cpp_commit\x18\x02 \x01(\t\x12\x1a\n\x12patch_stack_sha256\x18\x03 \x01(\t\x12\x16\n\x0eschema_version\x18\x04 \x01(\r\x12\x0c\n\x04lane\x18\x05 \x01(\t\x12\x0c\n\x04\x61rch\x18\x06 \x01(\t\x12\x0f\n\x07n_layer\x18\x07 \x01(\r\"\x11\n\x0f\x44\x65scribeRequest\"\xf8\x01\n\rDescribeReply\x12\x36\n\rcompatibility\x18\x01 \x01(\x0b\x32\x1f.dgr.v1.CompatibilityDescriptor\x12\x13\n\x0blayer_first\x18\x02 \x01(\r\x12\x12\n\nlayer_last\x18\x03 \x01(\r\x12&\n\x08\x62oundary\x18\x04 \x01(\x0b\x32\x14.dgr.v1.BoundarySpec\x12\r\n\x05n_ctx\x18\x05 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\r\x12\x1e\n\x16max_tokens_per_message\x18\x07 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\x04\"F\n\x10\x43\x61\x63heExpectation\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06n_past\x18\x02 \x01(\r\x12\x13\n\x0bprefix_hash\x18\x03 \x01(\x06\"W\n\x08\x42oundary\x12\x1c\n\x05\x64type\x18\x01 \x01(\x0e\x32\r.dgr.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\"`\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x13\n\x0bwant_logits\x18\x05 \x01(\x08\"\xef\x02\n\x0e\x46orwardRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12(\n\x06\x65xpect\x18\x02 \x01(\x0b\x32\x18.dgr.v1.CacheExpectation\x12\x11\n\tpositions\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\"\n\x08\x62oundary\x18\x05 \x01(\x0b\x32\x10.dgr.v1.Boundary\x12\x13\n\x0b\x63hunk_index\x18\x06 \x01(\r\x12\x12\n\nlast_chunk\x18\x07 \x01(\x08\x12\"\n\x08sampling\x18\x08 \x01(\x0b\x32\x10.dgr.v1.Sampling\x12%\n\x0e\x62oundary_dtype\x18\t \x01(\x0e\x32\r.dgr.v1.DType\x12 \n\x05route\x18\n \x01(\x0b\x32\x11.dgr.v1.RouteSpec\x12\x12\n\nmax_tokens\x18\x0b \x01(\r\x12\x10\n\x08stop_ids\x18\x0c \x03(\x05\x12\x19\n\x11token_interval_ms\x18\r \x01(\r\"0\n\tRouteSpec\x12\x0e\n\x06stages\x18\x01 \x03(\t\x12\x13\n\x0bstage_index\x18\x02 \x01(\r\"K\n\nStageError\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"R\n\x0bTokenResult\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12 \n\x06logits\x18\x03 \x01(\x0b\x32\x10.dgr.v1.Boundary\"\xf9\x01\n\x0c\x46orwardReply\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x0e\n\x06n_past\x18\x02 \x01(\r\x12\x13\n\x0bprefix_hash\x18\x03 \x01(\x06\x12$\n\x08\x62oundary\x18\x04 \x01(\x0b\x32\x10.dgr.v1.BoundaryH\x00\x12$\n\x05token\x18\x05 \x01(\x0b\x32\x13.dgr.v1.TokenResultH\x00\x12!\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x12.dgr.v1.StageError\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12(\n\x0bmore_tokens\x18\x08 \x03(\x0b\x32\x13.dgr.v1.TokenResultB\x08\n\x06output\"\x0b\n\tLoopReply\"7\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"!\n\x10OpenSessionReply\x12\r\n\x05n_ctx\x18\x01 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\"\x13\n\x11\x43loseSessionReply\"\x0f\n\rHealthRequest\"}\n\x0bHealthReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12\x10\n\x08sessions\x18\x03 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\r\x12\x14\n\x0cwidest_batch\x18\x06 \x01(\r*L\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\r\n\tDTYPE_F32\x10\x01\x12\r\n\tDTYPE_F16\x10\x02\x12\x0e\n\nDTYPE_BF16\x10\x03\x32\xfd\x02\n\x0cShardService\x12:\n\x08\x44\x65scribe\x12\x17.dgr.v1.DescribeRequest\x1a\x15.dgr.v1.DescribeReply\x12\x34\n\x06Health\x12\x15.dgr.v1.HealthRequest\x1a\x13.dgr.v1.HealthReply\x12\x43\n\x0bOpenSession\x12\x1a.dgr.v1.OpenSessionRequest\x1a\x18.dgr.v1.OpenSessionReply\x12\x46\n\x0c\x43loseSession\x12\x1b.dgr.v1.CloseSessionRequest\x1a\x19.dgr.v1.CloseSessionReply\x12;\n\x07\x46orward\x12\x16.dgr.v1.ForwardRequest\x1a\x14.dgr.v1.ForwardReply(\x01\x30\x01\x12\x31\n\x04Loop\x12\x14.dgr.v1.ForwardReply\x1a\x11.dgr.v1.LoopReply(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dgr.v1.shard_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1914
-  _globals['_DTYPE']._serialized_end=1990
+  _globals['_DTYPE']._serialized_start=1983
+  _globals['_DTYPE']._serialized_end=2059
   _globals['_BOUNDARYSPEC']._serialized_start=30
   _globals['_BOUNDARYSPEC']._serialized_end=128
   _globals['_COMPATIBILITYDESCRIPTOR']._serialized_start=131
@@ -48,29 +48,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLING']._serialized_start=739
   _globals['_SAMPLING']._serialized_end=835
   _globals['_FORWARDREQUEST']._serialized_start=838
-  _globals['_FORWARDREQUEST']._serialized_end=1178
-  _globals['_ROUTESPEC']._serialized_start=1180
-  _globals['_ROUTESPEC']._serialized_end=1228
-  _globals['_STAGEERROR']._serialized_start=1230
-  _globals['_STAGEERROR']._serialized_end=1305
-  _globals['_TOKENRESULT']._serialized_start=1307
-  _globals['_TOKENRESULT']._serialized_end=1389
-  _globals['_FORWARDREPLY']._serialized_start=1392
-  _globals['_FORWARDREPLY']._serialized_end=1599
-  _globals['_LOOPREPLY']._serialized_start=1601
-  _globals['_LOOPREPLY']._serialized_end=1612
-  _globals['_OPENSESSIONREQUEST']._serialized_start=1614
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1669
-  _globals['_OPENSESSIONREPLY']._serialized_start=1671
-  _globals['_OPENSESSIONREPLY']._serialized_end=1704
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1706
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1747
-  _globals['_CLOSESESSIONREPLY']._serialized_start=1749
-  _globals['_CLOSESESSIONREPLY']._serialized_end=1768
-  _globals['_HEALTHREQUEST']._serialized_start=1770
-  _globals['_HEALTHREQUEST']._serialized_end=1785
-  _globals['_HEALTHREPLY']._serialized_start=1787
-  _globals['_HEALTHREPLY']._serialized_end=1912
-  _globals['_SHARDSERVICE']._serialized_start=1993
-  _globals['_SHARDSERVICE']._serialized_end=2374
+  _globals['_FORWARDREQUEST']._serialized_end=1205
+  _globals['_ROUTESPEC']._serialized_start=1207
+  _globals['_ROUTESPEC']._serialized_end=1255
+  _globals['_STAGEERROR']._serialized_start=1257
+  _globals['_STAGEERROR']._serialized_end=1332
+  _globals['_TOKENRESULT']._serialized_start=1334
+  _globals['_TOKENRESULT']._serialized_end=1416
+  _globals['_FORWARDREPLY']._serialized_start=1419
+  _globals['_FORWARDREPLY']._serialized_end=1668
+  _globals['_LOOPREPLY']._serialized_start=1670
+  _globals['_LOOPREPLY']._serialized_end=1681
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1683
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1738
+  _globals['_OPENSESSIONREPLY']._serialized_start=1740
+  _globals['_OPENSESSIONREPLY']._serialized_end=1773
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1775
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1816
+  _globals['_CLOSESESSIONREPLY']._serialized_start=1818
+  _globals['_CLOSESESSIONREPLY']._serialized_end=1837
+  _globals['_HEALTHREQUEST']._serialized_start=1839
+  _globals['_HEALTHREQUEST']._serialized_end=1854
+  _globals['_HEALTHREPLY']._serialized_start=1856
+  _globals['_HEALTHREPLY']._serialized_end=1981
+  _globals['_SHARDSERVICE']._serialized_start=2062
+  _globals['_SHARDSERVICE']._serialized_end=2443
 # @@protoc_insertion_point(module_scope)

@@ -109,7 +109,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., want_logits: _Optional[bool] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "expect", "positions", "token_ids", "boundary", "chunk_index", "last_chunk", "sampling", "boundary_dtype", "route", "max_tokens", "stop_ids")
+    __slots__ = ("session_id", "expect", "positions", "token_ids", "boundary", "chunk_index", "last_chunk", "sampling", "boundary_dtype", "route", "max_tokens", "stop_ids", "token_interval_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECT_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class ForwardRequest(_message.Message):
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     expect: CacheExpectation
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -134,7 +135,8 @@ class ForwardRequest(_message.Message):
     route: RouteSpec
     max_tokens: int
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[int] = ..., expect: _Optional[_Union[CacheExpectation, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., chunk_index: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., boundary_dtype: _Optional[_Union[DType, str]] = ..., route: _Optional[_Union[RouteSpec, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    token_interval_ms: int
+    def __init__(self, session_id: _Optional[int] = ..., expect: _Optional[_Union[CacheExpectation, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., chunk_index: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., boundary_dtype: _Optional[_Union[DType, str]] = ..., route: _Optional[_Union[RouteSpec, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., token_interval_ms: _Optional[int] = ...) -> None: ...
 
 class RouteSpec(_message.Message):
     __slots__ = ("stages", "stage_index")
@@ -167,7 +169,7 @@ class TokenResult(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., logits: _Optional[_Union[Boundary, _Mapping]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("session_id", "n_past", "prefix_hash", "boundary", "token", "error", "epoch")
+    __slots__ = ("session_id", "n_past", "prefix_hash", "boundary", "token", "error", "epoch", "more_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     N_PAST_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +177,7 @@ class ForwardReply(_message.Message):
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     n_past: int
     prefix_hash: int
@@ -182,7 +185,8 @@ class ForwardReply(_message.Message):
     token: TokenResult
     error: StageError
     epoch: int
-    def __init__(self, session_id: _Optional[int] = ..., n_past: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., token: _Optional[_Union[TokenResult, _Mapping]] = ..., error: _Optional[_Union[StageError, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    more_tokens: _containers.RepeatedCompositeFieldContainer[TokenResult]
+    def __init__(self, session_id: _Optional[int] = ..., n_past: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., token: _Optional[_Union[TokenResult, _Mapping]] = ..., error: _Optional[_Union[StageError, _Mapping]] = ..., epoch: _Optional[int] = ..., more_tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ...) -> None: ...
 
 class LoopReply(_message.Message):
     __slots__ = ()
