@@ -160,6 +160,28 @@ def bench_verify(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
+def chaos(session: nox.Session) -> None:
+    """Seeded fault injection into real routes with concurrent sessions, 216 faults by default
+    (`-- --seed S --faults N`, `--only I` replays one); JSON to evidence/chaos/."""
+    session.run("python", "-m", "dgr_cert.chaos", *session.posargs)
+
+
+@nox.session(python=False)
+def soak(session: nox.Session) -> None:
+    """Concurrent sessions on a 3-stage route and through the OpenAI server for 10 minutes
+    (`-- --seconds N`): worker RSS, fds, threads and sessions over time; JSON and plot to
+    evidence/soak/."""
+    session.run("python", "-m", "dgr_cert.soak", *session.posargs)
+
+
+@nox.session(python=False)
+def fuzz(session: nox.Session) -> None:
+    """libFuzzer (ASan, UBSan) over the worker's request path and the range-ownership GGUF load:
+    1M request executions by default (`-- --runs N --seconds S`); JSON to evidence/fuzz/."""
+    session.run("python", "-m", "dgr_cert.fuzz", *session.posargs)
+
+
+@nox.session(python=False)
 def demo(session: nox.Session) -> None:
     """Main job: the default model split into shards, streaming generation and a parity check."""
     session.run("dgr", "demo", *session.posargs)

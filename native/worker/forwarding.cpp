@@ -21,20 +21,17 @@ Peers::Peers(PeerOptions options) : options_(std::move(options)) {
     }
 }
 
-std::shared_ptr<grpc::Channel> Peers::channel(const std::string & address) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = channels_.find(address);
-    if (it != channels_.end()) return it->second;
+std::shared_ptr<grpc::Channel> Peers::connect(const std::string & address) const {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize((int) std::min<uint64_t>(options_.max_message_bytes * 2, INT32_MAX));
     args.SetMaxSendMessageSize((int) std::min<uint64_t>(options_.max_message_bytes, INT32_MAX));
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveMs);
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, options_.keepalive_ms);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive_timeout_ms(options_.keepalive_ms));
     args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-    auto channel = grpc::CreateCustomChannel(address, creds_, args);
-    channels_.emplace(address, channel);
-    return channel;
+    // a connection of its own, not the process-wide subchannel another session may hold
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    return grpc::CreateCustomChannel(address, creds_, args);
 }
 
 void Peers::prepare(grpc::ClientContext & ctx) const {
@@ -53,7 +50,7 @@ dgr::v1::StageError stage_error(uint32_t stage, const std::string & address, con
 DownstreamLink::DownstreamLink(Peers & peers, const std::string & address, uint32_t stage, OnError on_error)
     : address_(address), stage_(stage), on_error_(std::move(on_error)) {
     peers.prepare(ctx_);
-    stub_ = dgr::v1::ShardService::NewStub(peers.channel(address));
+    stub_ = dgr::v1::ShardService::NewStub(peers.connect(address));
     stream_ = stub_->Forward(&ctx_);
     reader_ = std::thread([this] { read_until_end(); });
 }
@@ -100,7 +97,7 @@ DownstreamLink::~DownstreamLink() {
 
 LoopLink::LoopLink(Peers & peers, const std::string & address) {
     peers.prepare(ctx_);
-    stub_ = dgr::v1::ShardService::NewStub(peers.channel(address));
+    stub_ = dgr::v1::ShardService::NewStub(peers.connect(address));
     writer_ = stub_->Loop(&ctx_, &reply_);
 }
 

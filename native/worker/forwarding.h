@@ -1,7 +1,7 @@
 // Forward mode's outbound links: a stage streams its output to the next stage (DownstreamLink),
 // and the tail returns sampled tokens to the head (LoopLink). Links reach peers with this
-// worker's own credentials (TLS/mTLS material and bearer token), over cached channels with
-// keepalive, so a peer that vanishes without a reset is noticed.
+// worker's own credentials (TLS/mTLS material and bearer token), over connections of the session's
+// own with keepalive, so a peer that vanishes without a reset is noticed.
 #pragma once
 
 #include "dgr/v1/shard.grpc.pb.h"
@@ -23,23 +23,28 @@ struct PeerOptions {
     std::string cert, key;     // PEM: this worker's certificate, presented to peers requiring mTLS
     std::string token;         // bearer token sent to peers (a route shares one)
     uint64_t max_message_bytes = 64ull << 20;
+    int keepalive_ms = 10000;  // ping an idle link this often; dead after another half of it
 };
 
-// keepalive and message limits for every link, client and server side alike
+// keepalive for every link, client and server side alike (--keepalive-ms): a peer that vanished
+// without a reset is noticed within keepalive + keepalive / 2, and its sessions freed
 constexpr int kKeepaliveMs = 10000;
-constexpr int kKeepaliveTimeoutMs = 5000;
+inline int keepalive_timeout_ms(int keepalive_ms) { return keepalive_ms / 2; }
 
+// How this worker reaches its peers. Every forward-mode session gets connections of its own
+// (a channel per link, no shared subchannel), opened when the session starts so that the
+// handshake overlaps the stage's first compute: a connection over a path that died without a
+// reset (a blackhole, a half-open NAT entry) then takes one session down with it, not every
+// later session routed the same way until keepalive gives up on it.
 class Peers {
 public:
     explicit Peers(PeerOptions options);
-    std::shared_ptr<grpc::Channel> channel(const std::string & address);
+    std::shared_ptr<grpc::Channel> connect(const std::string & address) const;
     void prepare(grpc::ClientContext & ctx) const;  // credentials on a call
 
 private:
     PeerOptions options_;
     std::shared_ptr<grpc::ChannelCredentials> creds_;
-    std::mutex mutex_;
-    std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
 };
 
 dgr::v1::StageError stage_error(uint32_t stage, const std::string & address, const grpc::Status & status);

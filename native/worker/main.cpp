@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <malloc.h>
 #include <cstdlib>
 #include <unistd.h>
 #include <fstream>
@@ -35,6 +36,7 @@ struct Args {
     int prio = 0;      // compute threads' priority, as llama.cpp's --prio (0 normal .. 3 realtime)
     bool mtp = false;  // serve MTP (nextn) layers: reserved, the engine refuses it in alpha
     bool warmup = true;
+    int keepalive_ms = dgr::worker::kKeepaliveMs;  // every link, both sides
     std::string compute_slots = "auto";  // a directory, "auto" or "none"
     std::string tls_cert, tls_key, tls_client_ca, peer_ca;  // PEM contents
     dgr::worker::ServiceOptions service;
@@ -84,6 +86,7 @@ void parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--max-message-bytes") a.service.max_message_bytes = (uint64_t) to_int(k, val(), 1024, INT32_MAX / 2);
         else if (k == "--max-queue") a.service.max_queue = to_int(k, val(), 0, 1 << 20);
         else if (k == "--max-batch") a.service.max_batch = to_int(k, val(), 1, 4096);
+        else if (k == "--keepalive-ms") a.keepalive_ms = to_int(k, val(), 200, 3600 * 1000);
         else if (k == "--lane") a.service.lane = val();
         else if (k == "--model-fingerprint") a.service.fingerprint = val();
         else if (k == "--llama-commit") a.service.llama_commit = val();
@@ -137,6 +140,10 @@ void warm_up(dgr::ShardEngine & engine) {
 }  // namespace
 
 int main(int argc, char ** argv) {
+    // glibc gives every thread that allocates an arena of its own and keeps what it frees there;
+    // gRPC's handler threads come and go with the streams, so a long-running worker's RSS would
+    // creep up arena by arena. A few shared arenas keep it flat (the soak checks it).
+    mallopt(M_ARENA_MAX, 2);
     Args args;
     try {
         parse_args(argc, argv, args);
@@ -147,7 +154,7 @@ int main(int argc, char ** argv) {
                      "  [--lane cpu]\n"
                      "  [--model-fingerprint HEX] [--llama-commit SHA] [--patch-stack SHA] [--drain-seconds N]\n"
                      "  [--poll 0-100] [--prio 0-3] [--no-warmup] [--compute-slots DIR|auto|none] [--mtp] [--auth-token-file F]\n"
-                     "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F]\n";
+                     "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F] [--keepalive-ms N]\n";
         return 2;
     }
     std::unique_ptr<dgr::ShardEngine> engine;
@@ -189,6 +196,7 @@ int main(int argc, char ** argv) {
     }
     peers.token = args.service.token;
     peers.max_message_bytes = args.service.max_message_bytes;
+    peers.keepalive_ms = args.keepalive_ms;
     std::unique_ptr<dgr::worker::ShardService> service_ptr;
     try {
         service_ptr = std::make_unique<dgr::worker::ShardService>(std::move(engine), args.service, peers);
@@ -216,9 +224,9 @@ int main(int argc, char ** argv) {
     builder.SetMaxReceiveMessageSize((int) std::min<uint64_t>(max_bytes, INT32_MAX));
     builder.SetMaxSendMessageSize((int) std::min<uint64_t>(max_bytes * 2, INT32_MAX));
     // keepalive: a client that vanished without a reset is dropped (and its sessions freed) after
-    // about kKeepaliveMs + kKeepaliveTimeoutMs; clients may ping as often as every few seconds
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, dgr::worker::kKeepaliveMs);
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, dgr::worker::kKeepaliveTimeoutMs);
+    // about keepalive + keepalive / 2; clients may ping as often as every second
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, args.keepalive_ms);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, dgr::worker::keepalive_timeout_ms(args.keepalive_ms));
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);

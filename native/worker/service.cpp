@@ -322,16 +322,20 @@ Status ShardService::forward_stage(grpc::ServerContext *, Stream * stream, dgr::
                 result = st;
                 break;
             }
+            // the session's link opens before the first compute: its handshake overlaps it
+            if (!desc_.is_tail && !down) {
+                down = std::make_unique<DownstreamLink>(peers_, route.stages(me + 1), me + 1, report_up);
+            } else if (desc_.is_tail && !loop) {
+                loop = std::make_unique<LoopLink>(peers_, route.stages(0));
+            }
             dgr::v1::ForwardReply reply;
             if (Status st = compute(req, &reply); !st.ok()) {
                 result = st;  // the stage before names this one with it
                 break;
             }
             if (!desc_.is_tail) {
-                if (!down) down = std::make_unique<DownstreamLink>(peers_, route.stages(me + 1), me + 1, report_up);
                 down->write(next_request(req, &reply));  // a broken link is reported by its reader
             } else if (req.last_chunk()) {
-                if (!loop) loop = std::make_unique<LoopLink>(peers_, route.stages(0));
                 if (!loop->write(reply)) {
                     report_up(stage_error(0, route.stages(0),
                                           Status(StatusCode::UNAVAILABLE, "the tail could not return its token to the head")));
@@ -386,16 +390,16 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
         done = true;
     };
     auto process = [&](const dgr::v1::ForwardRequest & r) {
+        if (!desc_.is_tail && !down) {  // opened before the first compute: the handshake overlaps it
+            down = std::make_unique<DownstreamLink>(peers_, route.stages(1), 1, [flow](const dgr::v1::StageError & e) {
+                flow->push(Event{Event::failure, {}, {}, e});
+            });
+        }
         dgr::v1::ForwardReply reply;
         if (Status st = compute(r, &reply); !st.ok()) return fail(stage_error(0, route.stages(0), st));
         if (desc_.is_tail) {
             if (r.last_chunk()) flow->push(Event{Event::token, {}, std::move(reply), {}});
             return;
-        }
-        if (!down) {
-            down = std::make_unique<DownstreamLink>(peers_, route.stages(1), 1, [flow](const dgr::v1::StageError & e) {
-                flow->push(Event{Event::failure, {}, {}, e});
-            });
         }
         down->write(next_request(r, &reply));  // a broken link is reported by its reader
     };

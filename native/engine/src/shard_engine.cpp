@@ -201,6 +201,11 @@ public:
             throw ShardError(Status::capacity, take_or("cannot create a context of the requested size"));
         }
 
+        // the whole KV cache resident now, not page by page as sessions first reach a cell: the
+        // memory a worker reports and holds is what it will use, and a soak's RSS shows growth,
+        // not first touches (a no-op for a dry run)
+        if (!options.estimate_only) llama_memory_clear(llama_get_memory(ctx_), true);
+
         // Stages of a route run one after another and share cores with their neighbours; a
         // threadpool that keeps spinning after its graph steals the CPU the next stage needs.
         ggml_threadpool_params tpp = ggml_threadpool_params_default(options.n_threads);

@@ -200,9 +200,14 @@ def test_bad_messages_are_invalid_argument_and_the_worker_keeps_serving(
     corrupt.crc32 ^= 1
     truncated = boundary()
     truncated.payload = truncated.payload[:-8]
+    flipped = boundary()  # a bit flipped in flight: the worker's CRC over the payload catches it
+    payload = bytearray(flipped.payload)
+    payload[1001] ^= 0x10
+    flipped.payload = bytes(payload)
     cases = [
         (wrong_shape, "boundary.shape"),
         (corrupt, "boundary.crc32"),
+        (flipped, "boundary.crc32"),
         (truncated, "boundary.payload"),
     ]
     for bad, needle in cases:

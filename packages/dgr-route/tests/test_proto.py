@@ -29,18 +29,6 @@ def test_compatibility_guard_catches_a_renumbered_field() -> None:
     assert "message Gone was removed" in problems
 
 
-def test_boundary_message_round_trips() -> None:
-    from dgr.v1 import shard_pb2 as pb
-
-    req = pb.ForwardRequest(
-        session_id=7,
-        expect=pb.CacheExpectation(epoch=2, n_past=5),
-        token_ids=[1, 2],
-        boundary=pb.Boundary(shape=[2, 1, 4]),
-    )
-    assert pb.ForwardRequest.FromString(req.SerializeToString()) == req
-
-
 @pytest.mark.skipif(shutil.which("grpc_cpp_plugin") is None, reason="Debian protobuf-compiler-grpc")
 def test_cpp_code_generates_and_compiles(tmp_path: Path) -> None:
     plugin = shutil.which("grpc_cpp_plugin")

@@ -43,7 +43,20 @@ LANE_OPTIONS = {
     "rocm": [NO_OPENMP, "-DGGML_HIP=ON"],
     "vulkan": [NO_OPENMP, "-DGGML_VULKAN=ON"],
     "metal": [NO_OPENMP, "-DGGML_METAL=ON"],
+    # libFuzzer harnesses (nox -s fuzz): clang, with ASan, UBSan and coverage instrumentation of
+    # llama.cpp itself, so that the patched range-ownership loader is fuzzed, not just called
+    "fuzz": [NO_OPENMP, "-DCMAKE_C_COMPILER=clang-14", "-DCMAKE_CXX_COMPILER=clang++-14"],
 }
+# compile flags a lane adds to every file (after the AMX ones). llama.cpp gets ASan and coverage
+# but not UBSan: ggml calls its kernels through cast function pointers and the GGUF reader loads
+# enums before checking them, undefined behaviour UBSan aborts on in every decode and at the
+# first mutated type tag. DGR's own code (engine, worker, harnesses) gets UBSan as well.
+FUZZ_FLAGS = "-fsanitize=address,fuzzer-no-link -gline-tables-only"
+FUZZ_DGR_FLAGS = (
+    "-fsanitize=address,undefined,fuzzer-no-link -fno-sanitize-recover=undefined -gline-tables-only"
+)
+LANE_FLAGS = {"fuzz": FUZZ_FLAGS}
+LANE_TARGETS = {"fuzz": ["llama"]}  # what a lane builds by default (others: DEFAULT_TARGETS)
 DEFAULT_TARGETS = ["llama", "llama-gguf-split", "llama-completion", "llama-bench"]
 
 
@@ -55,6 +68,7 @@ def cmake_args(source: Path, build: Path, lane: str) -> list[str]:
     if lane not in LANE_OPTIONS:
         raise BuildError(f"unknown lane {lane!r}; known: {', '.join(LANE_OPTIONS)}")
     flags = AMX_OFF if platform.machine() in ("x86_64", "AMD64") else ""
+    flags = " ".join(f for f in (flags, LANE_FLAGS.get(lane, "")) if f)
     return [
         "cmake",
         "-S",
@@ -120,7 +134,16 @@ def build(
     configure(cmake_args(source, build, lane), build, log)
     jobs = str(os.cpu_count() or 2)
     run_step(
-        ["cmake", "--build", str(build), "-j", jobs, "--target", *(targets or DEFAULT_TARGETS)], log
+        [
+            "cmake",
+            "--build",
+            str(build),
+            "-j",
+            jobs,
+            "--target",
+            *(targets or LANE_TARGETS.get(lane, DEFAULT_TARGETS)),
+        ],
+        log,
     )
     return build / "bin"
 

@@ -21,13 +21,14 @@ def engine_source(repo_root: Path) -> Path:
     return repo_root / "native" / "engine"
 
 
-def build_engine(lane: str = "cpu") -> Path:
-    """Return the path of the built `_dgr_engine` module, building what is stale."""
+def configure_engine(lane: str, variant: str, llama_lane: str, extra: list[str]) -> Path:
+    """Configure native/engine in its own build directory (per checkout, lane and variant) over
+    the `llama_lane` build of the patched llama.cpp; returns the directory."""
     ws = open_workspace()
-    llama_bin = build(ws, lane, ["llama"], log=sys.stderr)
+    llama_bin = build(ws, llama_lane, ["llama"], log=sys.stderr)
     source = engine_source(ws.repo.root)
     key = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:10]
-    out = build_root() / f"engine-{key}-{lane}"
+    out = build_root() / f"engine-{key}-{variant or lane}"
     args = [
         "cmake",
         "-S",
@@ -39,11 +40,21 @@ def build_engine(lane: str = "cpu") -> Path:
         "-DCMAKE_BUILD_TYPE=Release",
         f"-DDGR_LLAMA_SOURCE={ws.patched}",
         f"-DDGR_LLAMA_BIN={llama_bin}",
-        f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
-        f"-DPython_EXECUTABLE={sys.executable}",
+        *extra,
         "-DDGR_BUILD_WORKER=ON",
     ]
     configure(args, out, sys.stderr)
+    return out
+
+
+def build_engine(lane: str = "cpu") -> Path:
+    """Return the path of the built `_dgr_engine` module, building what is stale."""
+    out = configure_engine(
+        lane,
+        "",
+        lane,
+        [f"-Dpybind11_DIR={pybind11.get_cmake_dir()}", f"-DPython_EXECUTABLE={sys.executable}"],
+    )
     run_step(
         ["cmake", "--build", str(out), "--target", "_dgr_engine", "dgr-shard-worker"], sys.stderr
     )

@@ -231,8 +231,13 @@ def _route_bench_plot(by_threads: dict[str, Any], out: Path) -> None:
         )
     ax.set_xticks([n + width * (len(by_threads) - 1) / 2 for n in range(len(setups))])
     ax.set_xticklabels(setups, rotation=20, fontsize="small", ha="right")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title("Route decode speed next to its references (same run)")
+    _finish(fig, ax, "decode tokens/s", "Route decode speed next to its references (same run)", out)
+
+
+def _finish(fig: Any, ax: Any, ylabel: str, title: str, out: Path) -> None:
+    """Label, legend and write a plot as SVG."""
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out, format="svg")
@@ -290,6 +295,77 @@ def render_benchmarks(paths: RepoPaths, plots: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _soak_plot(samples: list[dict[str, Any]], warmup_s: float, out: Path) -> None:
+    names = [k for k in samples[0] if isinstance(samples[0][k], dict)]
+    fig, ax = plt.subplots(figsize=(8.0, 3.4))
+    for name in names:
+        ax.plot([s["t"] for s in samples], [s[name]["rss_kib"] / 1024 for s in samples], label=name)
+    ax.axvline(warmup_s, color="grey", linestyle=":", label="end of warm-up")
+    ax.set_xlabel("seconds")
+    _finish(
+        fig, ax, "RSS MiB", "Soak: resident memory of each worker and of the OpenAI server", out
+    )
+
+
+def render_certification(paths: RepoPaths, plots: Path) -> str:
+    """evidence/chaos, evidence/soak and evidence/fuzz: the latest run of each, summarized."""
+    lines = [
+        "# Faults, soak and fuzzing",
+        "",
+        "The latest run of `nox -s chaos` (seeded fault injection into real routes), "
+        "`nox -s soak` (load over time) and `nox -s fuzz` (libFuzzer over the worker's "
+        "decoders). Raw JSON: `evidence/chaos/`, `evidence/soak/`, `evidence/fuzz/`.",
+        "",
+    ]
+    chaos = paths.evidence / "chaos" / "chaos.json"
+    if chaos.is_file():
+        data = json.loads(chaos.read_text(encoding="utf-8"))
+        lines += [f"## Chaos ({data['measured_utc']})", "", "| figure | value |", "|---|---|"]
+        lines += [f"| `{k}` | {v} |" for k, v in data["summary"].items()]
+        lines.append("")
+    soak = paths.evidence / "soak" / "soak.json"
+    if soak.is_file():
+        data = json.loads(soak.read_text(encoding="utf-8"))
+        lines += [f"## Soak ({data['measured_utc']})", ""]
+        if data.get("samples"):
+            _soak_plot(data["samples"], data["warmup_s"], plots / "soak-rss.svg")
+            lines += ["![RSS over time](plots/soak-rss.svg)", ""]
+        lines += ["| figure | value |", "|---|---|"]
+        lines += [
+            f"| `{k}` | {v} |"
+            for k, v in data.items()
+            if k not in ("samples", "processes", "error_examples")
+        ]
+        lines += [
+            "",
+            "| process | RSS MiB after warm-up | at the end | growth | fds | threads |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {name} | {p['rss_mib_start']} | {p['rss_mib_end']} | {p['rss_growth']:.2%} | "
+            f"{p['fds_peak_first_quarter']} -> {p['fds_peak_last_quarter']} | "
+            f"{p['threads_peak_first_quarter']} -> {p['threads_peak_last_quarter']} |"
+            for name, p in data.get("processes", {}).items()
+        ]
+        lines.append("")
+    fuzz = paths.evidence / "fuzz" / "fuzz.json"
+    if fuzz.is_file():
+        data = json.loads(fuzz.read_text(encoding="utf-8"))
+        lines += [
+            f"## Fuzzing ({data['measured_utc']})",
+            "",
+            "| harness | executions | seconds | exec/s | crashes | regression inputs |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['harness']} | {r['executions']} | {r['seconds']} | {r['exec_per_s']} | "
+            f"{r['crashes']} | {r['regression_inputs']} |"
+            for r in data["runs"]
+        ]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
 def render_gates(paths: RepoPaths, prd: Prd) -> str:
     """Each gate's thresholds against the newest evidence (what `dgr-prd gate ID` checks); the
     home page includes this file."""
@@ -322,6 +398,7 @@ def generate(paths: RepoPaths, prd: Prd) -> list[Path]:
         out / "dashboard.md": render_dashboard(paths, prd),
         out / "prd.md": paths.prd_md.read_text(encoding="utf-8"),
         out / "benchmarks.md": render_benchmarks(paths, plots),
+        out / "certification.md": render_certification(paths, plots),
         out / "gates.md": render_gates(paths, prd),
         out / "stories" / "index.md": "# Stories\n\n"
         + "\n".join(f"- [{s.id}: {s.title}]({s.id}.md) ({s.status.value})" for s in prd.stories)

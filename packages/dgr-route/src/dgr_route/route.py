@@ -108,6 +108,7 @@ class _Stream:
         self.requests: queue.Queue[pb.ForwardRequest | None] = queue.Queue()
         self.call_ = stage.stub.Forward(iter(self.requests.get, None), metadata=stage.metadata)
         self.replies: queue.Queue[pb.ForwardReply | BaseException | None] = queue.Queue()
+        self.ended = False  # the stream's end (or failure) was taken from `replies`
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -139,6 +140,8 @@ class _Stream:
                 f"no reply within {self.timeout:g} s",
                 grpc.StatusCode.DEADLINE_EXCEEDED,
             ) from None
+        if reply is None or isinstance(reply, BaseException):
+            self.ended = True
         if isinstance(reply, grpc.RpcError):
             raise RouteError(
                 self.stage.index,
@@ -161,7 +164,7 @@ class _Stream:
         """After close(): until the stage ends the stream (replies still in flight are dropped),
         or `timeout` passes."""
         deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
+        while not self.ended and (left := deadline - time.monotonic()) > 0:
             try:
                 item = self.replies.get(timeout=left)
             except queue.Empty:

@@ -17,6 +17,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # a route opened after a failure connects afresh: gRPC's process-wide subchannel pool would
+    # hand it the connection the failed route used, which may sit on a dead path until
+    # keepalive gives up on it
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 

@@ -1,0 +1,241 @@
+"""`nox -s fuzz`: libFuzzer over the decoders that face untrusted bytes, built with ASan and UBSan.
+
+- `request`: a worker's request path (ShardService::compute: ForwardRequest parse, validation,
+  boundary decode into the engine, the tail's sampler), on a head, a middle stage and a tail.
+- `gguf`: the range-ownership load (ShardEngine::open over the patched loader) on mutated and
+  truncated GGUF files.
+
+Both run over a small random-weight qwen3 model. The harnesses and the `fuzz` lane's llama.cpp
+are built with clang (Debian's clang-14 and libclang-rt-14-dev): DGR's code with ASan and UBSan,
+llama.cpp with ASan and coverage (its known, benign undefined behaviour is out of this lane's
+scope; see dgr_llamacpp.build.FUZZ_FLAGS). Seeds are written fresh from
+the wire schema and the model; the committed corpus under native/fuzz/corpus holds every input
+that once crashed or stands for a case worth keeping, and runs first, as regression inputs.
+Crashers found land in native/fuzz/crashers/ and make the run fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+from dgr_native.twins import ArchTwin, generate
+from dgr_prd.downloads import cache_dir
+from dgr_prd.metrics import report
+from dgr_prd.paths import find_root
+
+# small enough that a decode takes microseconds: fuzzing is executions per second
+FUZZ_TWIN = ArchTwin(
+    "fuzz-twin", "qwen3", n_layer=8, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_vocab=256
+)
+SPLIT = "0:3,3:6,6:8"
+HARNESSES = ("request", "gguf")
+
+
+def fuzz_model() -> Path:
+    target = cache_dir() / "models" / "twins" / f"{FUZZ_TWIN.name}-{FUZZ_TWIN.digest()}.gguf"
+    if not target.is_file():
+        generate(FUZZ_TWIN, target)
+    return target
+
+
+def build_fuzzers(log: TextIO = sys.stderr, instrument_llama: bool = True) -> Path:
+    """The harnesses, over the `fuzz` lane's instrumented llama.cpp (a long first build), or for
+    a quick smoke (`instrument_llama=False`) over the `cpu` lane's, where only DGR's own code is
+    instrumented; returns their directory."""
+    from dgr_llamacpp.build import FUZZ_DGR_FLAGS, run_step
+    from dgr_native.build import configure_engine
+
+    for tool in ("clang-14", "clang++-14"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"{tool} not found: install clang-14 and libclang-rt-14-dev")
+    out = configure_engine(
+        "fuzz",
+        "fuzz" if instrument_llama else "fuzz-smoke",
+        "fuzz" if instrument_llama else "cpu",
+        [
+            "-DCMAKE_C_COMPILER=clang-14",
+            "-DCMAKE_CXX_COMPILER=clang++-14",
+            f"-DCMAKE_C_FLAGS={FUZZ_DGR_FLAGS}",
+            f"-DCMAKE_CXX_FLAGS={FUZZ_DGR_FLAGS}",
+            "-DDGR_BUILD_PYTHON=OFF",
+            "-DDGR_BUILD_FUZZ=ON",
+        ],
+    )
+    run_step(["cmake", "--build", str(out), "--target", "dgr-fuzz-request", "dgr-fuzz-gguf"], log)
+    return out
+
+
+def request_seeds() -> list[bytes]:
+    """Valid requests for each stage kind and the variants the wire allows: the fuzzer mutates
+    from inside the accepted language instead of from noise."""
+    from dgr.v1 import shard_pb2 as pb
+    from dgr_route.codec import FNV_OFFSET, encode, prefix_hash
+
+    n_embd = FUZZ_TWIN.n_embd
+    rng = np.random.default_rng(20261201)
+    seeds: list[bytes] = []
+    for session, n in ((2, 1), (4, 3), (6, 8)):
+        tokens = [int(t) for t in rng.integers(0, FUZZ_TWIN.n_vocab, n)]
+        for sampling in (
+            pb.Sampling(),
+            pb.Sampling(temperature=0.8, top_k=40, top_p=0.9, seed=7),
+            pb.Sampling(temperature=1.0, want_logits=True),
+        ):
+            seeds.append(
+                pb.ForwardRequest(
+                    session_id=session,
+                    expect=pb.CacheExpectation(epoch=1, n_past=0, prefix_hash=FNV_OFFSET),
+                    token_ids=tokens,
+                    sampling=sampling,
+                ).SerializeToString()
+            )
+        for dtype in ("f32", "f16", "bf16"):
+            # odd session ids: the harness makes the checksum right after mutation
+            boundary = encode(rng.standard_normal((n, n_embd)).astype(np.float32), dtype)
+            seeds.append(
+                pb.ForwardRequest(
+                    session_id=session + 1,
+                    expect=pb.CacheExpectation(epoch=1, n_past=0),
+                    boundary=boundary,
+                    token_ids=tokens,
+                    boundary_dtype=pb.DTYPE_BF16 if dtype == "f32" else pb.DTYPE_F32,
+                    sampling=pb.Sampling(temperature=0.5, top_k=5),
+                ).SerializeToString()
+            )
+        seeds.append(
+            pb.ForwardRequest(
+                session_id=session,
+                expect=pb.CacheExpectation(epoch=2, n_past=0, prefix_hash=prefix_hash(tokens)),
+                token_ids=tokens,
+                route=pb.RouteSpec(
+                    stages=["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"], stage_index=1
+                ),
+                last_chunk=True,
+                max_tokens=4,
+                stop_ids=[1, 2],
+                token_interval_ms=25,
+            ).SerializeToString()
+        )
+    return seeds
+
+
+def gguf_seeds() -> list[bytes]:
+    """The model whole and cut short, each under every range selector the harness knows."""
+    data = fuzz_model().read_bytes()
+    cuts = [len(data), len(data) // 2, 4096, 64, 8]
+    return [bytes([selector]) + data[:cut] for cut in cuts for selector in range(7)]
+
+
+def run(
+    harness: str,
+    runs: int,
+    seconds: int,
+    root: Path,
+    binaries: Path,
+    jobs: int = 1,
+) -> dict[str, object]:
+    """One harness: the committed corpus (regressions) plus fresh seeds, `runs` executions or
+    `seconds`, whichever ends first. Returns the run's figures; crashers go to
+    native/fuzz/crashers/<harness>/."""
+    corpus = root / "native" / "fuzz" / "corpus" / harness
+    crashers = root / "native" / "fuzz" / "crashers" / harness
+    crashers.mkdir(parents=True, exist_ok=True)
+    seeds = request_seeds() if harness == "request" else gguf_seeds()
+    with tempfile.TemporaryDirectory(prefix=f"dgr-fuzz-{harness}-") as tmp:
+        work = Path(tmp) / "corpus"
+        fresh = Path(tmp) / "seeds"
+        work.mkdir()
+        fresh.mkdir()
+        for i, seed in enumerate(seeds):
+            (fresh / f"seed-{i:03d}").write_bytes(seed)
+        dirs = [str(work), str(fresh)] + ([str(corpus)] if corpus.is_dir() else [])
+        env = {
+            **os.environ,
+            "DGR_FUZZ_MODEL": str(fuzz_model()),
+            "DGR_FUZZ_SPLIT": SPLIT,
+            "TMPDIR": tmp,
+            "ASAN_OPTIONS": "allocator_may_return_null=1:detect_leaks=0",
+            "UBSAN_OPTIONS": "print_stacktrace=1",
+        }
+        cmd = [
+            str(binaries / f"dgr-fuzz-{harness}"),
+            f"-runs={runs}",
+            f"-max_total_time={seconds}",
+            f"-artifact_prefix={crashers}/",
+            "-rss_limit_mb=4096",
+            "-malloc_limit_mb=2048",
+            "-max_len=" + ("4096" if harness == "request" else str(max(len(s) for s in seeds))),
+            "-print_final_stats=1",
+            *([f"-jobs={jobs}", f"-workers={jobs}"] if jobs > 1 else []),
+            *dirs,
+        ]
+        t0 = time.monotonic()
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        wall = time.monotonic() - t0
+    log = done.stdout + done.stderr
+    execs = sum(int(m) for m in re.findall(r"stat::number_of_executed_units:\s*(\d+)", log))
+    found = sorted(p.name for p in crashers.iterdir() if p.is_file())
+    result: dict[str, object] = {
+        "harness": harness,
+        "executions": execs,
+        "seconds": round(wall, 1),
+        "exec_per_s": round(execs / wall, 1) if wall else 0.0,
+        "crashes": len(found),
+        "crasher_files": found,
+        "exit_code": done.returncode,
+        "regression_inputs": len(list(corpus.iterdir())) if corpus.is_dir() else 0,
+    }
+    if done.returncode != 0 or found:
+        result["log_tail"] = log[-4000:]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dgr_cert.fuzz")
+    parser.add_argument("--harness", choices=HARNESSES, nargs="+", default=list(HARNESSES))
+    parser.add_argument("--runs", type=int, default=1_000_000, help="executions per harness")
+    parser.add_argument("--seconds", type=int, default=3000, help="time limit per harness")
+    parser.add_argument("--gguf-runs", type=int, default=20_000)
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--out", default="evidence/fuzz/fuzz.json")
+    args = parser.parse_args(argv)
+    root = find_root().root
+    binaries = build_fuzzers()
+    results = []
+    for harness in args.harness:
+        runs = args.runs if harness == "request" else args.gguf_runs
+        r = run(harness, runs, args.seconds, root, binaries, args.jobs)
+        print(json.dumps({k: v for k, v in r.items() if k != "log_tail"}), flush=True)
+        if "log_tail" in r:
+            print(r["log_tail"], file=sys.stderr)
+        results.append(r)
+    out = root / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {"measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": results},
+            indent=2,
+        )
+        + "\n"
+    )
+    by = {str(r["harness"]): r for r in results}
+    report(
+        "fuzz",
+        {f"{h}_{k}": by[h][k] for h in by for k in ("executions", "crashes", "exec_per_s")},
+    )
+    return 0 if all(r["crashes"] == 0 and r["exit_code"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
