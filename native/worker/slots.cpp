@@ -5,7 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 #include <thread>
@@ -38,16 +40,23 @@ ComputeSlots::Hold::~Hold() {
 
 ComputeSlots::Hold ComputeSlots::acquire() {
     if (fds_.empty()) return Hold();
-    // a free slot if there is one; else wait on the next in turn (the engine has one caller at a
-    // time, so next_ needs no lock)
-    for (int fd : fds_) {
-        if (flock(fd, LOCK_EX | LOCK_NB) == 0) return Hold(fd);
+    // whichever slot frees first, polled with a short growing pause: blocking on one slot would
+    // tie this worker to its holder, and a holder that hangs (SIGSTOP, a debugger, a stall) would
+    // then stop every worker queued behind it while other slots sit free. Slots only keep
+    // spinning graphs apart: past kMaxWait with all of them held, compute anyway.
+    const auto give_up = std::chrono::steady_clock::now() + kMaxWait;
+    auto pause = std::chrono::microseconds(20);
+    while (true) {
+        for (size_t i = 0; i < fds_.size(); ++i) {
+            const int fd = fds_[(size_t) next_ % fds_.size()];
+            next_ = (next_ + 1) % (int) fds_.size();
+            if (flock(fd, LOCK_EX | LOCK_NB) == 0) return Hold(fd);
+            if (errno != EWOULDBLOCK && errno != EINTR) return Hold();  // cannot lock: compute anyway
+        }
+        if (std::chrono::steady_clock::now() > give_up) return Hold();
+        std::this_thread::sleep_for(pause);
+        pause = std::min(pause * 2, std::chrono::microseconds(200));
     }
-    const int fd = fds_[(size_t) (next_++ % (int) fds_.size())];
-    while (flock(fd, LOCK_EX) != 0) {
-        if (errno != EINTR) return Hold();  // cannot lock: compute anyway rather than stall
-    }
-    return Hold(fd);
 }
 
 int default_slot_count(int threads) {

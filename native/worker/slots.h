@@ -7,6 +7,7 @@
 // slot free (two syscalls per forward).
 #pragma once
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -33,7 +34,9 @@ public:
         int fd_ = -1;
     };
 
-    Hold acquire();  // blocks until a slot is free
+    // waits until any slot is free, or kMaxWait with every slot held (then computes without one)
+    Hold acquire();
+    static constexpr std::chrono::milliseconds kMaxWait{2000};
     int count() const { return (int) fds_.size(); }
 
 private:

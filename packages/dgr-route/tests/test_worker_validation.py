@@ -200,7 +200,8 @@ def test_health_answers_while_the_engine_computes(fleet: dict[str, WorkerProcess
 
 def test_a_worker_computes_only_in_a_free_host_slot(smollm2: Path, tmp_path: Path) -> None:
     """Workers of one host take turns through flock'd slot files (cores / threads of them):
-    while this test holds every slot, a forward waits; once they are free it completes."""
+    while this test holds every slot, a forward waits; once they are free it completes. Held
+    past the bound, the forward computes anyway."""
     import fcntl
     import os
     import threading
@@ -226,6 +227,15 @@ def test_a_worker_computes_only_in_a_free_host_slot(smollm2: Path, tmp_path: Pat
             os.close(fd)  # closing releases the lock
         t.join(30)
         assert len(replies) == 1 and replies[0].n_past == 3
+        # a holder that hangs (here: never lets go) holds the others up for 2 s at most
+        held = [os.open(f, os.O_RDWR) for f in files]
+        for fd in held:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        reply = forward(worker, tokens_request(701, [1, 2, 3]))
+        assert reply.n_past == 3 and 1.9 < time.monotonic() - t0 < 10
+        for fd in held:
+            os.close(fd)
     finally:
         worker.stop()
 
