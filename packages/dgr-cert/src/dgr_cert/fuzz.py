@@ -9,8 +9,9 @@ Both run over a small random-weight qwen3 model. The harnesses and the `fuzz` la
 are built with clang (Debian's clang-14 and libclang-rt-14-dev): DGR's code with ASan and UBSan,
 llama.cpp with ASan and coverage (its known, benign undefined behaviour is out of this lane's
 scope; see dgr_llamacpp.build.FUZZ_FLAGS). Seeds are written fresh from
-the wire schema and the model; the committed corpus under native/fuzz/corpus holds every input
-that once crashed or stands for a case worth keeping, and runs first, as regression inputs.
+the wire schema and the model; the committed corpus under native/fuzz/corpus (the seeds, GGUF
+ones cut short, from `--write-seeds`, and every input that once crashed) runs every time, as
+regression inputs.
 Crashers found land in native/fuzz/crashers/ and make the run fail.
 """
 
@@ -40,6 +41,7 @@ FUZZ_TWIN = ArchTwin(
 )
 SPLIT = "0:3,3:6,6:8"
 HARNESSES = ("request", "gguf")
+SEED_MAX_BYTES = 4097  # seeds committed to the corpus; the whole model is written fresh each run
 
 
 def fuzz_model() -> Path:
@@ -209,8 +211,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf-runs", type=int, default=20_000)
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--out", default="evidence/fuzz/fuzz.json")
+    parser.add_argument(
+        "--write-seeds",
+        action="store_true",
+        help="write the seeds into native/fuzz/corpus (small ones only: GGUF prefixes) and stop",
+    )
     args = parser.parse_args(argv)
     root = find_root().root
+    if args.write_seeds:
+        for harness, seeds in (("request", request_seeds()), ("gguf", gguf_seeds())):
+            corpus = root / "native" / "fuzz" / "corpus" / harness
+            corpus.mkdir(parents=True, exist_ok=True)
+            for i, seed in enumerate(s for s in seeds if len(s) <= SEED_MAX_BYTES):
+                (corpus / f"seed-{i:03d}").write_bytes(seed)
+        return 0
     binaries = build_fuzzers()
     results = []
     for harness in args.harness:
