@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstring>
 #include <fstream>
+#include <unordered_set>
 #include <map>
 #include <mutex>
 #include <set>
@@ -109,6 +110,21 @@ ModelShape probe_layers(const std::string & path) {
     const int64_t nextn = std::max<int64_t>(0, get_u32(arch + ".nextn_predict_layers"));
     const int64_t hc = get_u32(arch + ".hyper_connection.count");
     const int64_t hash_layers = get_u32(arch + ".hash_layer_count");
+    // llama.cpp's vocabulary load asserts (aborting the process) when two tokens share a string;
+    // a file like that is refused here with a typed error instead (found by the GGUF fuzzer)
+    const int64_t tokens_key = gguf_find_key(gguf, "tokenizer.ggml.tokens");
+    if (tokens_key >= 0 && gguf_get_kv_type(gguf, tokens_key) == GGUF_TYPE_ARRAY &&
+        gguf_get_arr_type(gguf, tokens_key) == GGUF_TYPE_STRING) {
+        std::unordered_set<std::string> seen;
+        const size_t n = gguf_get_arr_n(gguf, tokens_key);
+        for (size_t i = 0; i < n; ++i) {
+            if (!seen.insert(gguf_get_arr_str(gguf, tokens_key, i)).second) {
+                gguf_free(gguf);
+                throw ShardError(Status::load_failed, path + ": tokenizer.ggml.tokens: token " + std::to_string(i) +
+                                                          " repeats an earlier token (a corrupt vocabulary)");
+            }
+        }
+    }
     gguf_free(gguf);
     if (blocks <= 0 || nextn >= blocks) {
         throw ShardError(Status::load_failed, path + ": no usable " + arch + ".block_count");
