@@ -50,12 +50,7 @@ def chain(smollm2: Path) -> Iterator[tuple[list[WorkerProcess], list[LinkProcess
 
 
 def sessions(workers: list[WorkerProcess]) -> list[int]:
-    return [
-        pb_grpc.ShardServiceStub(grpc.insecure_channel(w.address))
-        .Health(pb.HealthRequest(), timeout=5)
-        .sessions
-        for w in workers
-    ]
+    return [w.sessions() for w in workers]
 
 
 def freed_within(workers: list[WorkerProcess], t0: float) -> float:

@@ -30,14 +30,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import grpc
-from dgr.v1 import shard_pb2 as pb
-from dgr.v1 import shard_pb2_grpc as pb_grpc
 from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
 from dgr_route.route import Route, Sampling
 from dgr_route.session import RouteSession
-from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+from dgr_route.workers import descriptor_args, start_worker
 
 LAYOUT = [(0, 10), (10, 20), (20, 30)]
 RSS_GROWTH_MAX = 0.02
@@ -220,11 +217,6 @@ def start_server(route: list[str], model: Path) -> tuple[subprocess.Popen[str], 
     raise RuntimeError("dgr serve did not come up in 120 s")
 
 
-def sessions_of(w: WorkerProcess) -> int:
-    stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(w.address))  # type: ignore[no-untyped-call]
-    return int(stub.Health(pb.HealthRequest(), timeout=5).sessions)
-
-
 def analyze(samples: list[dict[str, Any]], warmup_s: float, names: list[str]) -> dict[str, Any]:
     after = [s for s in samples if s["t"] >= warmup_s]
     out: dict[str, Any] = {"samples_after_warmup": len(after), "processes": {}}
@@ -295,7 +287,7 @@ def run(seconds: float, warmup_s: float, sessions: int, http: int, seed: int) ->
             sample: dict[str, Any] = {"t": round(now, 2), "tokens": load.tokens}
             for name, pid in zip(names, pids, strict=True):
                 sample[name] = proc_stats(pid)
-            sample["sessions"] = [sessions_of(w) for w in workers]
+            sample["sessions"] = [w.sessions() for w in workers]
             samples.append(sample)
             time.sleep(SAMPLE_S)
         load.stop.set()
@@ -303,9 +295,9 @@ def run(seconds: float, warmup_s: float, sessions: int, http: int, seed: int) ->
             t.join(180)
         hung = sum(t.is_alive() for t in pool)
         deadline = time.monotonic() + 15
-        while any(sessions_of(w) for w in workers) and time.monotonic() < deadline:
+        while any(w.sessions() for w in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = [sessions_of(w) for w in workers]
+        left = [w.sessions() for w in workers]
         idle_threads = {name: thread_names(pid) for name, pid in zip(names, pids, strict=True)}
         fds_after = {name: proc_stats(pid)["fds"] for name, pid in zip(names, pids, strict=True)}
         route.close()

@@ -43,6 +43,16 @@ class WorkerProcess:
         self.proc.kill()
         self.proc.wait()
 
+    def sessions(self, timeout: float = 5.0) -> int:
+        """The sessions the worker holds now (its Health answer; a channel of its own, closed)."""
+        import grpc
+        from dgr.v1 import shard_pb2 as pb
+        from dgr.v1 import shard_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.ShardServiceStub(channel)  # type: ignore[no-untyped-call]  # generated
+            return int(stub.Health(pb.HealthRequest(), timeout=timeout).sessions)
+
 
 def descriptor_args(model: Path) -> list[str]:
     """Compatibility fields a worker reports: model fingerprint, llama.cpp pin, patch stack."""
