@@ -1,31 +1,35 @@
-"""The OpenAI-compatible API over a real route, driven by the official `openai` client."""
+"""The OpenAI-compatible API over a real route, driven by the official `openai` client and, for
+the SSE framing and error bodies, by plain HTTP."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx2 as httpx
 import openai
 import pytest
 import uvicorn
 from dgr_route.cli import Tokenizer
 from dgr_route.openai_server import create_app
 from dgr_route.route import Route
-from dgr_route.workers import descriptor_args, start_worker
+from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+from fastapi import FastAPI
+
+N_CTX = 256
+MODEL = "smollm2"
 
 
-@pytest.fixture(scope="module")
-def client(smollm2: Path) -> Iterator[openai.OpenAI]:
-    descriptor = descriptor_args(smollm2)
-    workers = [
-        start_worker(smollm2, a, b, descriptor=descriptor, n_ctx=1024)
-        for a, b in [(0, 15), (15, 30)]
-    ]
-    route = Route.open([w.address for w in workers])
-    app = create_app(route, Tokenizer(smollm2), "smollm2")
+@contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """The app on a free local port; yields its base URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -36,49 +40,156 @@ def client(smollm2: Path) -> Iterator[openai.OpenAI]:
     while not server.started:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-    server.should_exit = True
-    thread.join(10)
-    route.close()
-    for w in workers:
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2: Path) -> Tokenizer:
+    return Tokenizer(smollm2)
+
+
+@pytest.fixture(scope="module")
+def workers(smollm2: Path) -> Iterator[list[WorkerProcess]]:
+    descriptor = descriptor_args(smollm2)
+    started = [
+        start_worker(smollm2, a, b, descriptor=descriptor, n_ctx=N_CTX)
+        for a, b in [(0, 15), (15, 30)]
+    ]
+    yield started
+    for w in started:
         w.stop()
 
 
-def test_models(client: openai.OpenAI) -> None:
-    assert [m.id for m in client.models.list().data] == ["smollm2"]
+@pytest.fixture(scope="module")
+def route(workers: list[WorkerProcess]) -> Iterator[Route]:
+    r = Route.open([w.address for w in workers])
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def base(route: Route, tokenizer: Tokenizer) -> Iterator[str]:
+    with serving(create_app(route, tokenizer, MODEL)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def sse(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE response, checking the framing on the way."""
+    body = response.read().decode()
+    events = body.split("\n\n")
+    assert events[-1] == "", "the stream must end with a complete event"
+    out = []
+    for event in events[:-1]:
+        assert event.startswith("data: "), event
+        out.append(event[len("data: ") :])
+    return out
+
+
+def test_models_and_health(client: openai.OpenAI, base: str) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    health = httpx.get(f"{base}/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL
+    assert [s["layers"] for s in health["stages"]] == [[0, 15], [15, 30]]
 
 
 def test_chat_completion_streams_the_same_text(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     whole = client.chat.completions.create(
-        model="smollm2",
+        model=MODEL,
         messages=messages,  # type: ignore[arg-type]
         max_tokens=24,
         temperature=0,
+        seed=3,
+        user="someone",
     )
     text = whole.choices[0].message.content or ""
     assert "Paris" in text and whole.choices[0].finish_reason in ("stop", "length")
     stream = client.chat.completions.create(
-        model="smollm2",
+        model=MODEL,
         messages=messages,  # type: ignore[arg-type]
         max_tokens=24,
         temperature=0,
         stream=True,
+        stream_options={"include_usage": True},
     )
-    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     assert len([p for p in pieces if p]) > 3
     assert "".join(pieces) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sse_framing_through_curl(client: openai.OpenAI, base: str) -> None:
+    """What a plain SSE reader sees: `data: <json>` events, each ended by a blank line, the
+    text equal to the non-streamed answer, then `data: [DONE]`."""
+    curl = shutil.which("curl")
+    assert curl is not None, "curl is in scripts/apt-packages.txt"
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    whole = client.completions.create(**body)  # type: ignore[call-overload]
+    out = subprocess.run(
+        [
+            curl,
+            "-sSN",
+            "--fail-with-body",
+            f"{base}/v1/completions",
+            "-H",
+            "content-type: application/json",
+            "-d",
+            json.dumps({**body, "stream": True}),
+        ],
+        capture_output=True,
+        check=True,
+        timeout=60,
+    ).stdout.decode()
+    assert out.endswith("data: [DONE]\n\n"), out[-200:]
+    events = out.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole.choices[0].text
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole.choices[0].finish_reason
+    bad = subprocess.run(
+        [
+            curl,
+            "-sS",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            f"{base}/v1/completions",
+            "-H",
+            "content-type: application/json",
+            "-d",
+            '{"model": "x", "prompt": "hi"}',
+        ],
+        capture_output=True,
+        check=True,
+        timeout=60,
+    ).stdout.decode()
+    assert bad == "404"
 
 
 def test_completion_with_sampling(client: openai.OpenAI) -> None:
     greedy = client.completions.create(
-        model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
     )
     assert "Paris" in greedy.choices[0].text
     assert greedy.usage is not None and greedy.usage.prompt_tokens > 3
+    assert greedy.usage.completion_tokens == 8 and greedy.choices[0].finish_reason == "length"
     seeded = [
         client.completions.create(
-            model="smollm2",
+            model=MODEL,
             prompt="Once upon a time",
             max_tokens=12,
             temperature=0.9,
@@ -92,11 +203,219 @@ def test_completion_with_sampling(client: openai.OpenAI) -> None:
     assert seeded[0] == seeded[1]
     chunks = list(
         client.completions.create(
-            model="smollm2",
-            prompt="The capital of France is",
-            max_tokens=8,
-            temperature=0,
-            stream=True,
+            model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
         )
     )
     assert "".join(c.choices[0].text for c in chunks) == greedy.choices[0].text
+
+
+def test_stop_sequences_across_tokens(client: openai.OpenAI) -> None:
+    prompt = "Write the numbers from one to twenty in words, separated by commas:"
+    free = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=40, temperature=0, logprobs=0
+    )
+    text = free.choices[0].text
+    assert free.choices[0].logprobs is not None
+    tokens = free.choices[0].logprobs.tokens or []
+    assert "".join(tokens) == text
+    # a stop string that straddles two tokens, starting inside the first
+    cut = len(tokens[0]) + len(tokens[1]) + len(tokens[2])
+    stop = text[cut - 1 : cut + 2]
+    assert len(stop) == 3 and stop.strip()
+    expected = text[: text.index(stop)]
+    for stream in (False, True):
+        for stops in (stop, ["never-generated", stop]):
+            got = client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=40,
+                temperature=0,
+                stop=stops,
+                stream=stream,
+            )
+            if stream:
+                chunks = list(got)  # type: ignore[arg-type]
+                assert "".join(c.choices[0].text for c in chunks) == expected
+                assert chunks[-1].choices[0].finish_reason == "stop"
+            else:
+                assert got.choices[0].text == expected  # type: ignore[union-attr]
+                assert got.choices[0].finish_reason == "stop"  # type: ignore[union-attr]
+                assert got.usage.completion_tokens < 40  # type: ignore[union-attr]
+    # a stop string that never completes: its held-back beginning goes out at the end
+    tail = text[-1] + "\u2603"
+    got = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=tail, stream=True
+    )
+    chunks = list(got)
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_context_limits(client: openai.OpenAI, tokenizer: Tokenizer, base: str) -> None:
+    long_prompt = "hello " * N_CTX
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4)
+    body = err.value.body
+    assert isinstance(body, dict) and body["code"] == "context_length_exceeded"
+    assert (
+        str(N_CTX) in body["message"] and str(len(tokenizer.encode(long_prompt))) in body["message"]
+    )
+    # max_tokens beyond the room left: capped, ends with "length"
+    prompt = "The"
+    room = N_CTX - len(tokenizer.encode(prompt))
+    got = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4096, temperature=0, stop=None
+    )
+    assert got.usage is not None
+    finish = got.choices[0].finish_reason
+    assert (finish == "length" and got.usage.completion_tokens == room) or finish == "stop"
+    with httpx.stream(
+        "POST",
+        f"{base}/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 4096,
+            "temperature": 0,
+            "stream": True,
+        },
+        timeout=120,
+    ) as response:
+        assert response.status_code == 200
+        events = sse(response)
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert "error" not in last and last["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_multilingual_text_is_whole(client: openai.OpenAI) -> None:
+    for prompt in ("Привет! Как", "Καλημέρα! Πώς", "नमस्ते, आप", "你好，我的", "I love 🍕 and"):  # noqa: RUF001
+        whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        chunks = list(
+            client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True
+            )
+        )
+        streamed = "".join(c.choices[0].text for c in chunks)
+        assert streamed == whole.choices[0].text
+        # a generation cut by max_tokens may end inside a character: only its last one, as the
+        # whole sequence detokenized at once has it, may be U+FFFD
+        if whole.choices[0].finish_reason == "length":
+            streamed = streamed.removesuffix("\ufffd")
+        assert "\ufffd" not in streamed, (prompt, streamed)
+
+
+def test_openai_errors(client: openai.OpenAI, base: str) -> None:
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert isinstance(nf.value.body, dict) and nf.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=2)
+    assert isinstance(bad.value.body, dict) and bad.value.body["param"] == "n"
+    cases = [
+        ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+        ({"prompt": "hi", "temperature": float("nan")}, "temperature"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": "hi", "logprobs": 9}, "logprobs"),
+        ({"prompt": ""}, "prompt"),
+    ]
+    for body, param in cases:
+        raw = json.dumps({"model": MODEL, **body})  # NaN goes out as the bare token NaN
+        r = httpx.post(
+            f"{base}/v1/completions", content=raw, headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error" and param in (error["param"] or ""), error
+    r = httpx.get(f"{base}/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_logprobs_come_from_the_tail(client: openai.OpenAI) -> None:
+    got = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = got.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == got.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        lps = [t.logprob for t in entry.top_logprobs]
+        assert lps == sorted(lps, reverse=True) and all(lp <= 0 for lp in lps)
+        # greedy: the sampled token is the most likely one, with the logprob the tail reported
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == pytest.approx(lps[0], abs=1e-4)
+
+
+def test_mid_stream_failure_ends_with_an_error_event(smollm2: Path, tokenizer: Tokenizer) -> None:
+    descriptor = descriptor_args(smollm2)
+    ws = [
+        start_worker(smollm2, a, b, descriptor=descriptor, n_ctx=1024)
+        for a, b in [(0, 15), (15, 30)]
+    ]
+    route = Route.open([w.address for w in ws], timeout=10)
+    try:
+        with serving(create_app(route, tokenizer, MODEL)) as url:
+            request = {
+                "model": MODEL,
+                "prompt": "Once upon a time",
+                "max_tokens": 900,
+                "temperature": 0,
+                "stream": True,
+            }
+            with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=60) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith("data: "))
+                ws[1].proc.kill()  # the tail dies mid-generation
+                rest = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "[DONE]"
+            error = json.loads(rest[-2])["error"]
+            assert error["type"] == "server_error" and "stage 1" in error["message"], error
+    finally:
+        route.close()
+        for w in ws:
+            w.stop()
+
+
+def test_admission_queue_answers_429(route: Route, tokenizer: Tokenizer) -> None:
+    with serving(create_app(route, tokenizer, MODEL, max_active=1, max_queue=1)) as url:
+        long = {
+            "model": MODEL,
+            "prompt": "Once",
+            "max_tokens": 200,
+            "temperature": 0,
+            "stream": True,
+        }
+        short = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "temperature": 0}
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # it runs
+            queued: list[httpx.Response] = []
+            waiter = threading.Thread(
+                target=lambda: queued.append(
+                    httpx.post(f"{url}/v1/completions", json=short, timeout=60)
+                )
+            )
+            waiter.start()
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{url}/health").json()["waiting"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            refused = httpx.post(f"{url}/v1/completions", json=short, timeout=60)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+            for _ in lines:  # the first finishes; the queued one runs after it
+                pass
+        waiter.join(60)
+        assert queued and queued[0].status_code == 200
+        assert httpx.get(f"{url}/health").json()["running"] == 0

@@ -6,11 +6,13 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from dgr_route.route import Route, RouteError, Sampling
 from dgr_route.security import Security
+from dgr_route.text import Detokenizer
 
 
 class Tokenizer:
@@ -20,17 +22,20 @@ class Tokenizer:
         from dgr_native import load
 
         self.engine = load().Engine(str(model), 0, 1, n_ctx=8, n_batch=8, max_sessions=1)
+        n_vocab = int(self.engine.describe()["n_vocab"])
+        # end-of-generation ids go to the route as its stop ids: the head stops decoding itself
+        self.eog_ids = frozenset(t for t in range(n_vocab) if self.engine.is_eog(t))
 
     def encode(self, text: str) -> list[int]:
         return list(self.engine.tokenize(text, True))
 
-    def piece(self, token: int) -> str:
-        return bytes(self.engine.detokenize([token])).decode("utf-8", errors="replace")
+    def detokenize(self, tokens: list[int]) -> bytes:
+        return bytes(self.engine.detokenize(tokens))
 
     def is_eog(self, token: int) -> bool:
-        return bool(self.engine.is_eog(token))
+        return token in self.eog_ids
 
-    def chat(self, messages: list[tuple[str, str]]) -> str:
+    def chat(self, messages: Sequence[tuple[str, str]]) -> str:
         return str(self.engine.apply_chat_template(messages, True))
 
 
@@ -90,14 +95,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode(args.prompt)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     started = time.perf_counter()
-    count = 0
     try:
-        for token in route.generate(prompt, args.max_tokens, sampling):
-            if tokenizer.is_eog(token):
-                break
-            sys.stdout.write(tokenizer.piece(token))
-            sys.stdout.flush()
-            count += 1
+        count = stream_text(route, tokenizer, prompt, args.max_tokens, sampling, sys.stdout)
     except RouteError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
@@ -112,6 +111,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def stream_text(
+    route: Route,
+    tokenizer: Tokenizer,
+    prompt: list[int],
+    max_tokens: int,
+    sampling: Sampling,
+    out: TextIO,
+) -> int:
+    """Write the generation's text to `out` as it comes (UTF-8 whole, end-of-generation not
+    shown); returns the number of tokens generated."""
+    detok = Detokenizer(lambda ts: tokenizer.detokenize(list(ts)))
+    count = 0
+    results = route.generate(prompt, max_tokens, sampling, set(tokenizer.eog_ids))
+    try:
+        for token in results:
+            count += 1
+            if tokenizer.is_eog(token):
+                break
+            out.write(detok.feed(token))
+            out.flush()
+    finally:
+        results.close()
+        out.write(detok.flush())
+        out.flush()
+    return count
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -121,7 +147,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     route = open_route(args)
     if route is None:
         return 1
-    app = create_app(route, Tokenizer(model), args.model_name or model.stem)
+    app = create_app(
+        route,
+        Tokenizer(model),
+        args.model_name or model.stem,
+        max_active=args.max_active,
+        max_queue=args.max_queue,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -174,6 +206,14 @@ def register_serve(sub: Any) -> None:
     p.add_argument("--model-name", help="the id /v1/models reports")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--max-active",
+        type=int,
+        help="requests generating at once (default: the route's session slots)",
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=16, help="requests that may wait; more get HTTP 429"
+    )
     p.set_defaults(func=cmd_serve)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from dgr_route.cli import Tokenizer
 from dgr_route.route import Route
+from dgr_route.text import Detokenizer
 from dgr_route.workers import descriptor_args, start_worker
 
 
@@ -43,6 +44,7 @@ def run_demo(args: argparse.Namespace) -> int:
         prompt = tokenizer.encode(args.prompt)
         print(f"prompt ({len(prompt)} tokens): {args.prompt}\n---", flush=True)
         tokens: list[int] = []
+        detok = Detokenizer(lambda ts: tokenizer.detokenize(list(ts)))
         t1 = time.perf_counter()
         first_at = t1
         for token in route.generate(prompt, args.max_tokens):
@@ -51,9 +53,10 @@ def run_demo(args: argparse.Namespace) -> int:
             tokens.append(token)
             if tokenizer.is_eog(token):
                 break
-            sys.stdout.write(tokenizer.piece(token))
+            sys.stdout.write(detok.feed(token))
             sys.stdout.flush()
         t2 = time.perf_counter()
+        sys.stdout.write(detok.flush())
         route.close()
     finally:
         for w in workers:

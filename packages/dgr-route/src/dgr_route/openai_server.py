@@ -1,145 +1,640 @@
-"""An OpenAI-compatible HTTP front for a route: /v1/models, /v1/completions and
-/v1/chat/completions (the model's own chat template), with SSE streaming.
+"""An OpenAI-compatible HTTP front for a route: /v1/models, /v1/completions,
+/v1/chat/completions (the model's own chat template) and /health, with SSE streaming.
 
-Each request is one route session; the sync gRPC route runs in Starlette's thread pool, so
-requests proceed concurrently up to the workers' session slots (a full worker answers
-RESOURCE_EXHAUSTED, which becomes HTTP 503).
+It behaves as llama-server and vLLM's OpenAI server do where a client can tell:
+- errors are OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`) with the
+  status OpenAI uses: 400 for a bad request (an unknown argument, a prompt longer than the
+  context), 404 `model_not_found`, 429 with Retry-After when the admission queue or the route's
+  session slots are full, 502/503 when a stage fails;
+- `max_tokens` is capped by the room the context leaves, and the generation then ends "length";
+- stop strings are matched across tokens and never sent, text is detokenized incrementally
+  (dgr_route.text), and `finish_reason` says "stop" when a stop string or end-of-generation
+  token ended it;
+- a stream that fails after it started ends with an error event and `[DONE]`, never a cut
+  connection; a failure before the first token is an HTTP error;
+- logprobs and top_logprobs come from the tail (its logprob of the sampled token, its logits
+  for the alternatives).
+
+Each request is one route session; the sync gRPC route runs in Starlette's thread pool. At
+most `max_active` requests run at once and `max_queue` more wait; beyond that, 429.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Any
+import weakref
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 import grpc
-from fastapi import FastAPI, HTTPException
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
+import numpy as np
+from dgr.v1 import shard_pb2 as pb
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
+from dgr_route.codec import decode_logits
 from dgr_route.route import Route, RouteError, Sampling
+from dgr_route.text import Detokenizer, StopMatcher, stop_list
+
+RETRY_AFTER_S = 1
+MAX_TOP_LOGPROBS = 20
+
+
+class TextTokenizer(Protocol):
+    """What the server needs of the model's tokenizer (dgr_route.cli.Tokenizer)."""
+
+    eog_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]: ...
+    def detokenize(self, tokens: list[int]) -> bytes: ...
+    def is_eog(self, token: int) -> bool: ...
+    def chat(self, messages: Sequence[tuple[str, str]]) -> str: ...
+
+
+class OpenAIError(Exception):
+    """An error the client gets as an OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def busy(what: str) -> OpenAIError:
+    return OpenAIError(
+        429,
+        f"{what}; retry after {RETRY_AFTER_S} s",
+        "rate_limit_error",
+        None,
+        "rate_limit_exceeded",
+    )
+
+
+def from_route_error(exc: RouteError) -> OpenAIError:
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if "n_ctx" in exc.what:
+            return OpenAIError(400, str(exc), param="max_tokens", code="context_length_exceeded")
+        return busy(f"the route is full ({exc})")
+    status = 504 if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED else 502
+    return OpenAIError(status, f"route failed: {exc}", "server_error", None, "route_failed")
+
+
+# --- requests --------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields both endpoints take. Unknown arguments are refused, as OpenAI does, rather than
+    silently ignored; known ones this server cannot honour are refused unless left at their
+    defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # an extension, as llama-server and vLLM take it
+    seed: int | None = None
+    user: str | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def check(self) -> None:
+        refused = [
+            ("n", self.n != 1, "one choice per request: n must be 1"),
+            ("presence_penalty", self.presence_penalty != 0, "penalties are not supported"),
+            ("frequency_penalty", self.frequency_penalty != 0, "penalties are not supported"),
+            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+        ]
+        for param, bad, why in refused:
+            if bad:
+                raise OpenAIError(400, why, param=param, code="unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "stream_options needs stream: true", param="stream_options")
+        try:
+            stop_list(self.stop)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="stop") from exc
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    def check(self) -> None:
+        super().check()
+        if self.echo:
+            raise OpenAIError(400, "echo is not supported", param="echo", code="unsupported_value")
+        if self.suffix:
+            raise OpenAIError(400, "suffix is not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise OpenAIError(400, "best_of must be 1", param="best_of")
+        if (
+            isinstance(self.prompt, list)
+            and self.prompt
+            and isinstance(self.prompt[0], str)
+            and len(self.prompt) != 1
+        ):
+            raise OpenAIError(400, "one prompt per request", param="prompt")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    role: str
-    content: str
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
 
 
-class CompletionRequest(BaseModel):
-    model: str = ""
-    prompt: str
-    max_tokens: int = Field(default=64, ge=1, le=4096)
-    temperature: float = Field(default=1.0, ge=0.0, le=5.0)
-    top_p: float = Field(default=1.0, ge=0.0, le=1.0)
-    seed: int | None = None
-    stream: bool = False
-
-
-class ChatRequest(BaseModel):
-    model: str = ""
+class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=4096)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=4096)
-    temperature: float = Field(default=1.0, ge=0.0, le=5.0)
-    top_p: float = Field(default=1.0, ge=0.0, le=1.0)
-    seed: int | None = None
-    stream: bool = False
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise OpenAIError(400, "tool calls are not supported", param="tools")
+        if self.response_format not in (None, {"type": "text"}):
+            raise OpenAIError(
+                400, "only the text response format is supported", param="response_format"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+# --- generation ------------------------------------------------------------------------------
 
 
-def create_app(route: Route, tokenizer: Any, model_name: str) -> FastAPI:
+@dataclass
+class TokenInfo:
+    token: int
+    piece: bytes
+    logprob: float
+    top: list[tuple[int, bytes, float]]  # the tail's most likely tokens, best first
+
+
+@dataclass
+class Piece:
+    """Text ready to go out, the tokens consumed since the last piece, and why it ended."""
+
+    text: str
+    tokens: list[TokenInfo] = field(default_factory=list)
+    finish: str | None = None
+
+
+@dataclass
+class Generation:
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stops: list[str]
+    top_logprobs: int  # alternatives per token; 0 none
+    want_logprobs: bool
+    completion_tokens: int = 0
+
+    def usage(self) -> dict[str, int]:
+        p, c = len(self.prompt), self.completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class Admission:
+    """At most `active` generations at once and `queue` more waiting; beyond that, 429."""
+
+    def __init__(self, active: int, queue: int) -> None:
+        self.limit, self.queue = active, queue
+        self.running = self.waiting = 0
+        self._cv = threading.Condition()
+
+    def acquire(self) -> None:
+        with self._cv:
+            if self.running >= self.limit and self.waiting >= self.queue:
+                raise busy(
+                    f"{self.running} requests running and {self.waiting} waiting, "
+                    f"the most this server admits"
+                )
+            self.waiting += 1
+            try:
+                self._cv.wait_for(lambda: self.running < self.limit)
+            finally:
+                self.waiting -= 1
+            self.running += 1
+
+    def release(self) -> None:
+        with self._cv:
+            self.running -= 1
+            self._cv.notify()
+
+
+def create_app(
+    route: Route,
+    tokenizer: TextTokenizer,
+    model_name: str,
+    max_active: int | None = None,
+    max_queue: int = 16,
+) -> FastAPI:
     app = FastAPI(title="DGR", description="OpenAI-compatible API over a DGR route")
+    n_ctx = min(s.describe.n_ctx for s in route.stages)
+    admission = Admission(
+        max_active or min(s.describe.max_sessions for s in route.stages), max_queue
+    )
 
-    def pieces(
-        prompt: str, max_tokens: int, sampling: Sampling
-    ) -> Iterator[tuple[str, str | None]]:
-        """(text piece, finish reason or None) as tokens come out of the route."""
-        tokens = tokenizer.encode(prompt)
-        try:
-            for token in route.generate(tokens, max_tokens, sampling):
+    @app.exception_handler(OpenAIError)
+    def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {param}"
+        else:
+            message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc)
+        return OpenAIError(400, message, param=param).response()
+
+    @app.exception_handler(HTTPException)
+    def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        what = f"{request.method} {request.url.path}: {exc.detail}"
+        return OpenAIError(exc.status_code, what, code=code).response()
+
+    def check_model(name: str | None) -> None:
+        if name not in (None, "", model_name):
+            raise OpenAIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "owned_by": "dgr", "created": 0}
+
+    def plan(
+        req: _Request, prompt: list[int], max_tokens: int | None, top: int, want: bool, param: str
+    ) -> Generation:
+        """Checks common to both endpoints; max_tokens capped by the room the context leaves."""
+        req.check()
+        check_model(req.model)
+        if not prompt:
+            raise OpenAIError(400, "the prompt is empty", param=param)
+        room = n_ctx - len(prompt)
+        if room < 1:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {n_ctx} tokens. However, your "
+                f"prompt has {len(prompt)} tokens, which leaves no room for a completion.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        seed = req.seed if req.seed is not None else uuid.uuid4().int & (2**63 - 1)
+        sampling = Sampling(
+            temperature=req.temperature if req.top_p > 0 else 0.0,  # top_p 0 keeps one token
+            top_k=req.top_k,
+            top_p=req.top_p if req.top_p < 1.0 else 0.0,
+            seed=seed & (2**64 - 1),
+            want_logits=top > 0,
+        )
+        return Generation(
+            prompt=prompt,
+            max_tokens=min(max_tokens or room, room),
+            sampling=sampling,
+            stops=stop_list(req.stop),
+            top_logprobs=top,
+            want_logprobs=want,
+        )
+
+    def pieces(gen: Generation) -> Generator[Piece, None, None]:
+        """The generation as text pieces; the last one carries finish_reason. A RouteError
+        raised here is the route's failure."""
+        detok = Detokenizer(lambda ts: tokenizer.detokenize(list(ts)))
+        matcher = StopMatcher(gen.stops)
+        pending: list[TokenInfo] = []
+        results = route.results(gen.prompt, gen.max_tokens, gen.sampling, set(tokenizer.eog_ids))
+        with contextlib.closing(results):
+            for result in results:
+                gen.completion_tokens += 1
+                token = int(result.token_id)
                 if tokenizer.is_eog(token):
-                    yield "", "stop"
+                    text, hit = matcher.feed(detok.flush())
+                    yield Piece(text + matcher.flush(), pending, "stop")
                     return
-                yield tokenizer.piece(token), None
-        except RouteError as exc:
-            status = 503 if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED else 502
-            raise HTTPException(status, f"route failed: {exc}") from exc
-        yield "", "length"
+                if gen.want_logprobs:
+                    pending.append(token_info(token, result, gen.top_logprobs))
+                text, hit = matcher.feed(detok.feed(token))
+                if hit:
+                    yield Piece(text, pending, "stop")
+                    return
+                if text:
+                    yield Piece(text, pending)
+                    pending = []
+        text, hit = matcher.feed(detok.flush())
+        yield Piece(text if hit else text + matcher.flush(), pending, "stop" if hit else "length")
 
-    def sampling_of(temperature: float, top_p: float, seed: int | None) -> Sampling:
-        return Sampling(
-            temperature=temperature,
-            top_p=top_p if top_p < 1.0 else 0.0,
-            seed=seed if seed is not None else uuid.uuid4().int & (2**63 - 1),
+    def token_info(token: int, result: pb.TokenResult, top: int) -> TokenInfo:
+        alternatives: list[tuple[int, bytes, float]] = []
+        if top:
+            logits = decode_logits(result.logits).astype(np.float64)
+            shifted = logits - logits.max()
+            logp = shifted - np.log(np.exp(shifted).sum())
+            best = np.argpartition(-logp, top)[:top]
+            best = best[np.argsort(-logp[best], kind="stable")]
+            alternatives = [(int(t), tokenizer.detokenize([int(t)]), float(logp[t])) for t in best]
+        return TokenInfo(token, tokenizer.detokenize([token]), float(result.logprob), alternatives)
+
+    def admitted(gen: Generation) -> Iterator[Piece]:
+        """pieces() inside an admission slot, the first piece (prefill, the first token) already
+        computed: a failure that early is an HTTP error, not a stream that starts and breaks."""
+        admission.acquire()
+        try:
+            stream = pieces(gen)
+            try:
+                first = next(stream)
+            except RouteError as exc:
+                raise from_route_error(exc) from exc
+        except BaseException:
+            admission.release()
+            raise
+
+        held = [True]
+        lock = threading.Lock()
+
+        def release() -> None:  # once, whether the response is read to its end or dropped
+            with lock:
+                if not held:
+                    return
+                held.clear()
+            stream.close()
+            admission.release()
+
+        def rest() -> Iterator[Piece]:
+            try:
+                yield first
+                if first.finish is None:
+                    yield from stream
+            finally:
+                release()
+
+        out = rest()
+        weakref.finalize(out, release)  # a response dropped before it was read
+        return out
+
+    def sse(events: Iterator[dict[str, Any]], final: dict[str, Any] | None = None) -> Iterator[str]:
+        try:
+            for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except RouteError as exc:
+            yield f"data: {json.dumps(from_route_error(exc).body())}\n\n"
+        else:
+            if final is not None:
+                yield f"data: {json.dumps(final)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        stages = []
+        for stage in route.stages:
+            try:
+                h = stage.stub.Health(pb.HealthRequest(), timeout=2.0, metadata=stage.metadata)
+            except grpc.RpcError as exc:
+                return OpenAIError(
+                    503,
+                    f"stage {stage.index} ({stage.address}) does not answer Health: "
+                    f"{exc.code().name}",
+                    "server_error",
+                    code="stage_unavailable",
+                ).response()
+            stages.append(
+                {
+                    "address": stage.address,
+                    "layers": list(stage.layers),
+                    "sessions": h.sessions,
+                    "ready": h.ready,
+                }
+            )
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": model_name,
+                "n_ctx": n_ctx,
+                "running": admission.running,
+                "waiting": admission.waiting,
+                "stages": stages,
+            }
         )
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "owned_by": "dgr", "created": 0}],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    def model(name: str) -> dict[str, Any]:
+        check_model(name)
+        return model_card()
 
     @app.post("/v1/completions", response_model=None)
     def completions(req: CompletionRequest) -> dict[str, Any] | StreamingResponse:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        gen = pieces(req.prompt, req.max_tokens, sampling_of(req.temperature, req.top_p, req.seed))
+        if isinstance(req.prompt, str):
+            prompt = tokenizer.encode(req.prompt)
+        elif req.prompt and isinstance(req.prompt[0], str):
+            prompt = tokenizer.encode(str(req.prompt[0]))
+        else:
+            prompt = [int(t) for t in req.prompt]
+        top = req.logprobs or 0
+        gen = plan(req, prompt, req.max_tokens, top, req.logprobs is not None, "prompt")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        offset = [0]
 
-        def chunk(text: str, finish: str | None) -> dict[str, Any]:
-            return {
+        def logprobs(p: Piece) -> dict[str, Any] | None:
+            if not gen.want_logprobs:
+                return None
+            out: dict[str, Any] = {
+                "tokens": [],
+                "token_logprobs": [],
+                "top_logprobs": [] if top else None,
+                "text_offset": [],
+            }
+            for t in p.tokens:
+                text = t.piece.decode("utf-8", errors="replace")
+                out["tokens"].append(text)
+                out["token_logprobs"].append(t.logprob)
+                out["text_offset"].append(offset[0])
+                offset[0] += len(text)
+                if top:
+                    out["top_logprobs"].append(
+                        {b.decode("utf-8", errors="replace"): lp for _, b, lp in t.top}
+                    )
+            return out
+
+        def chunk(p: Piece) -> dict[str, Any]:
+            body: dict[str, Any] = {
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
                 "model": model_name,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                "choices": [
+                    {"index": 0, "text": p.text, "finish_reason": p.finish, "logprobs": logprobs(p)}
+                ],
             }
+            if include_usage:
+                body["usage"] = None
+            return body
 
+        stream = admitted(gen)
         if req.stream:
-            return StreamingResponse(
-                _with_done(_sse(chunk(t, f)) for t, f in gen), media_type="text/event-stream"
-            )
-        text, finish = _collect(gen)
-        return {**chunk(text, finish), "usage": _usage(tokenizer, req.prompt, text)}
+            final = None
+            if include_usage:
+                final = {**chunk(Piece("")), "choices": [], "usage": None}
+
+            def events() -> Iterator[dict[str, Any]]:
+                yield from (chunk(p) for p in stream)
+                if final is not None:
+                    final["usage"] = gen.usage()
+
+            return StreamingResponse(sse(events(), final), media_type="text/event-stream")
+        whole = collect(stream)
+        return {**chunk(whole), "usage": gen.usage()}
 
     @app.post("/v1/chat/completions", response_model=None)
     def chat(req: ChatRequest) -> dict[str, Any] | StreamingResponse:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        messages = [("system" if m.role == "developer" else m.role, m.text()) for m in req.messages]
         try:
-            prompt = tokenizer.chat([(m.role, m.content) for m in req.messages])
+            prompt_text = tokenizer.chat(messages)
         except RuntimeError as exc:
-            raise HTTPException(400, str(exc)) from exc
-        max_tokens = req.max_completion_tokens or req.max_tokens or 256
-        gen = pieces(prompt, max_tokens, sampling_of(req.temperature, req.top_p, req.seed))
-        if req.stream:
+            raise OpenAIError(400, f"chat template: {exc}", param="messages") from exc
+        top = req.top_logprobs or 0
+        gen = plan(
+            req,
+            tokenizer.encode(prompt_text),
+            req.max_completion_tokens or req.max_tokens,
+            top,
+            req.logprobs,
+            "messages",
+        )
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-            def events() -> Iterator[str]:
-                base = {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model_name,
+        def logprobs(p: Piece) -> dict[str, Any] | None:
+            if not gen.want_logprobs:
+                return None
+
+            def entry(piece: bytes, lp: float) -> dict[str, Any]:
+                return {
+                    "token": piece.decode("utf-8", errors="replace"),
+                    "logprob": lp,
+                    "bytes": list(piece),
                 }
-                yield _sse(
-                    {
-                        **base,
-                        "choices": [
-                            {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
-                        ],
-                    }
-                )
-                for text, finish in gen:
-                    delta = {"content": text} if text else {}
-                    yield _sse(
-                        {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-                    )
 
-            return StreamingResponse(_with_done(events()), media_type="text/event-stream")
-        text, finish = _collect(gen)
+            return {
+                "content": [
+                    {
+                        **entry(t.piece, t.logprob),
+                        "top_logprobs": [entry(b, lp) for _, b, lp in t.top],
+                    }
+                    for t in p.tokens
+                ]
+            }
+
+        stream = admitted(gen)
+        if req.stream:
+            base = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model_name,
+                **({"usage": None} if include_usage else {}),
+            }
+            final: dict[str, Any] | None = (
+                {**base, "choices": [], "usage": None} if include_usage else None
+            )
+
+            def events() -> Iterator[dict[str, Any]]:
+                role = {"role": "assistant", "content": ""}
+                yield {
+                    **base,
+                    "choices": [
+                        {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
+                    ],
+                }
+                for p in stream:
+                    delta = {"content": p.text} if p.text else {}
+                    choice = {
+                        "index": 0,
+                        "delta": delta,
+                        "logprobs": logprobs(p),
+                        "finish_reason": p.finish,
+                    }
+                    yield {**base, "choices": [choice]}
+                if final is not None:
+                    final["usage"] = gen.usage()
+
+            return StreamingResponse(sse(events(), final), media_type="text/event-stream")
+        whole = collect(stream)
         return {
             "id": rid,
             "object": "chat.completion",
@@ -148,30 +643,25 @@ def create_app(route: Route, tokenizer: Any, model_name: str) -> FastAPI:
             "choices": [
                 {
                     "index": 0,
-                    "finish_reason": finish,
-                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": whole.finish,
+                    "message": {"role": "assistant", "content": whole.text},
+                    "logprobs": logprobs(whole),
                 }
             ],
-            "usage": _usage(tokenizer, prompt, text),
+            "usage": gen.usage(),
         }
 
+    def collect(stream: Iterator[Piece]) -> Piece:
+        whole = Piece("")
+        texts = []
+        try:
+            for p in stream:
+                texts.append(p.text)
+                whole.tokens.extend(p.tokens)
+                whole.finish = p.finish or whole.finish
+        except RouteError as exc:
+            raise from_route_error(exc) from exc
+        whole.text = "".join(texts)
+        return whole
+
     return app
-
-
-def _with_done(events: Iterator[str]) -> Iterator[str]:
-    yield from events
-    yield "data: [DONE]\n\n"
-
-
-def _collect(gen: Iterator[tuple[str, str | None]]) -> tuple[str, str]:
-    parts, finish = [], "length"
-    for text, reason in gen:
-        parts.append(text)
-        if reason:
-            finish = reason
-    return "".join(parts), finish
-
-
-def _usage(tokenizer: Any, prompt: str, text: str) -> dict[str, int]:
-    p, c = len(tokenizer.encode(prompt)), len(tokenizer.encode(text)) if text else 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}

@@ -261,7 +261,7 @@ class Route:
         max_tokens: int,
         sampling: Sampling | None = None,
         stop: set[int] | None = None,
-    ) -> Iterator[int]:
+    ) -> Generator[int, None, None]:
         """Yield generated token ids; prefill travels in chunks the stages accept."""
         for result in self.results(prompt, max_tokens, sampling, stop):
             yield int(result.token_id)
@@ -277,7 +277,7 @@ class Route:
         max_tokens: int,
         sampling: Sampling | None = None,
         stop: set[int] | None = None,
-    ) -> Iterator[pb.TokenResult]:
+    ) -> Generator[pb.TokenResult, None, None]:
         """The tail's result for every generated token (id, logprob, logits when asked)."""
         yield from self.run(secrets.randbits(63), 1, prompt, max_tokens, sampling, stop)
 

@@ -1,0 +1,149 @@
+"""`dgr chat`: an interactive conversation over a route, in the model's own chat template.
+
+Each turn sends the whole conversation (a route session per turn; the stages keep no cache
+between turns) and streams the reply as it is generated. Ctrl-C during a reply stops that
+reply (the route's session is closed, the stages free it) and keeps the conversation with what
+was said so far; Ctrl-C at the prompt clears the line; Ctrl-D or /exit leaves; /reset starts
+over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, TextIO
+
+from dgr_route.cli import Tokenizer, add_route_options, model_arg, open_route
+from dgr_route.route import Route, RouteError, Sampling
+from dgr_route.text import Detokenizer
+
+PROMPT = "> "
+
+
+class Conversation:
+    """The messages so far, and the prompt that fits the route's context."""
+
+    def __init__(self, tokenizer: Tokenizer, n_ctx: int, system: str | None) -> None:
+        self.tokenizer, self.n_ctx = tokenizer, n_ctx
+        self.system = [("system", system)] if system else []
+        self.turns: list[tuple[str, str]] = []
+
+    def prompt(self, reserve: int) -> tuple[list[int], int]:
+        """The conversation's tokens, oldest turns dropped until `reserve` tokens of room remain
+        (as many as fit when even the last message alone leaves less); and how many dropped."""
+        dropped = 0
+        while True:
+            tokens = self.tokenizer.encode(self.tokenizer.chat(self.system + self.turns))
+            if len(tokens) + reserve <= self.n_ctx or len(self.turns) <= 1:
+                return tokens, dropped
+            self.turns.pop(0)
+            dropped += 1
+
+
+def reply(
+    route: Route,
+    tokenizer: Tokenizer,
+    prompt: list[int],
+    max_tokens: int,
+    sampling: Sampling,
+    out: TextIO,
+) -> tuple[str, str]:
+    """Stream one reply to `out`; (its text, why it ended: stop, length or interrupted)."""
+    detok = Detokenizer(lambda ts: tokenizer.detokenize(list(ts)))
+    parts: list[str] = []
+    results = route.generate(prompt, max_tokens, sampling, set(tokenizer.eog_ids))
+    why = "length"
+    try:
+        for token in results:
+            if tokenizer.is_eog(token):
+                why = "stop"
+                break
+            text = detok.feed(token)
+            parts.append(text)
+            out.write(text)
+            out.flush()
+    except KeyboardInterrupt:
+        why = "interrupted"
+    finally:
+        results.close()  # ends the route session: every stage frees it
+    tail = detok.flush()
+    parts.append(tail)
+    out.write(tail)
+    return "".join(parts), why
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    tokenizer = Tokenizer(model_arg(args.model))
+    route = open_route(args)
+    if route is None:
+        return 1
+    n_ctx = min(s.describe.n_ctx for s in route.stages)
+    conversation = Conversation(tokenizer, n_ctx, args.system)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    out = sys.stdout
+    print(
+        f"dgr chat: {len(route.stages)} stages, context {n_ctx} tokens. "
+        "Ctrl-C stops a reply, Ctrl-D or /exit leaves, /reset starts over.",
+        file=sys.stderr,
+    )
+    try:
+        while True:
+            try:
+                line = input(PROMPT)
+            except KeyboardInterrupt:
+                print(file=out)
+                continue
+            except EOFError:
+                print(file=out)
+                return 0
+            if line.strip() in ("/exit", "/quit"):
+                return 0
+            if line.strip() == "/reset":
+                conversation.turns.clear()
+                print("(conversation cleared)", file=sys.stderr)
+                continue
+            if not line.strip():
+                continue
+            conversation.turns.append(("user", line))
+            prompt, dropped = conversation.prompt(min(args.max_tokens, n_ctx // 2))
+            if dropped:
+                print(
+                    f"(dropped the {dropped} oldest messages to fit the context)", file=sys.stderr
+                )
+            room = n_ctx - len(prompt)
+            if room < 1:
+                print(
+                    f"error: the message alone is {len(prompt)} tokens, over the context",
+                    file=sys.stderr,
+                )
+                conversation.turns.pop()
+                continue
+            try:
+                text, why = reply(
+                    route, tokenizer, prompt, min(args.max_tokens, room), sampling, out
+                )
+            except RouteError as exc:
+                print(f"\nerror: {exc}", file=sys.stderr)
+                conversation.turns.pop()
+                continue
+            conversation.turns.append(("assistant", text))
+            print(file=out)
+            if why == "interrupted":
+                print("(reply stopped)", file=sys.stderr)
+            elif why == "length":
+                print("(reply cut at max tokens)", file=sys.stderr)
+    finally:
+        route.close()
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("chat", help="interactive chat over a route, in the model's template")
+    add_route_options(p)
+    p.add_argument("--model", default="smollm2-135m-q4_1", help="for the tokenizer and template")
+    p.add_argument("--system", help="a system message opening the conversation")
+    p.add_argument("--max-tokens", type=int, default=512, help="the longest reply")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_chat)
