@@ -275,6 +275,22 @@ def render_benchmarks(paths: RepoPaths, plots: Path) -> str:
                 lines += ["", "| ratio | value |", "|---|---|"]
                 lines += [f"| `{k}` | {v:.3f} |" for k, v in result["ratios"].items()]
                 lines.append("")
+                if "paired" in result:  # the gate's values: interleaved rounds
+                    per_round = result["paired"]["per_round"]
+                    lines += [
+                        f"Interleaved rounds ({len(next(iter(per_round.values())))}: every "
+                        "reference and route once per round, back to back); the gate reads "
+                        "the medians.",
+                        "",
+                        "| ratio | median | min | max |",
+                        "|---|---|---|---|",
+                    ]
+                    lines += [
+                        f"| `{k}` | {result['paired']['ratios'][k]:.3f} | {min(v):.3f} | "
+                        f"{max(v):.3f} |"
+                        for k, v in per_round.items()
+                    ]
+                    lines.append("")
         else:
             rows = [(k, v) for k, v in flatten_metrics(data) if not isinstance(v, list)]
             lines += ["| field | value |", "|---|---|"] + [f"| `{k}` | {v} |" for k, v in rows]

@@ -6,6 +6,13 @@ backend with 2 and 3 ggml-rpc-server processes. Every setup runs at 1 and 2 thre
 and reports the alpha-gate metrics (thresholds in prd.json's alpha gate; `dgr-prd gate alpha`
 checks them).
 
+The table times each setup in its own block, minutes apart; on a shared VM whose speed drifts by
+10% and more over minutes, ratios of such rows move with the drift (one run put llama-bench's two
+builds of the same code 13% apart). The gate's ratios therefore come from interleaved rounds
+(`paired`): llama-bench (both builds), the engine in process, 1- and 3-stage forward routes and
+RPC with 2 servers, each once per round, back to back, every process up throughout; a round's
+ratio compares setups that saw the same machine, and the gate reads the median over rounds.
+
 On one small machine all stages share its cores: with as many threads per process as cores, a
 stage's barrier threads get preempted by anything else that runs, a cost a real one-stage-per-host
 route does not pay; the 1-thread rows show the route without it.
@@ -39,9 +46,14 @@ RPC_SERVERS = (2, 3)
 SINGLE_STOCK = "llama-bench, upstream build"
 SINGLE_LANE = "llama-bench, DGR lane build"
 ENGINE = "engine in one process"
+ONE, THREE = "DGR forward 1 stage", "DGR forward 3 stages"
+RPC2 = "llama.cpp RPC (2 servers)"
+PAIRED_ROUNDS = 7
 
 
-def llama_bench(binary: Path, model: Path, extra: list[str], threads: int) -> dict[str, float]:
+def llama_bench(
+    binary: Path, model: Path, extra: list[str], threads: int, reps: int = 3
+) -> dict[str, float]:
     """llama-bench's prefill of the prompt (from an empty context) and its decode after the
     prompt (`-d`: at a context depth of PROMPT_TOKENS), which is what a route does; plain tg
     would decode from an empty context, with cheaper attention than the route pays."""
@@ -59,7 +71,7 @@ def llama_bench(binary: Path, model: Path, extra: list[str], threads: int) -> di
             "-t",
             str(threads),
             "-r",
-            "3",
+            str(reps),
             "-o",
             "json",
             *extra,
@@ -161,21 +173,23 @@ def time_route(
 ) -> dict[str, float]:
     """Median prefill and decode tokens/s of greedy generation over the route at `addresses`."""
     route = Route.open(addresses, timeout=120, mode=mode, peers=peers)
-    prefill, decode = [], []
     try:
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            stream = route.generate(prompt, decode_tokens + 1)
-            next(stream)
-            t1 = time.perf_counter()
-            for _ in stream:
-                pass
-            t2 = time.perf_counter()
-            prefill.append(len(prompt) / (t1 - t0))
-            decode.append(decode_tokens / (t2 - t1))
+        runs = [route_round(route, prompt, decode_tokens) for _ in range(rounds)]
     finally:
         route.close()
-    return {"prefill": statistics.median(prefill), "decode": statistics.median(decode)}
+    return {key: statistics.median(r[key] for r in runs) for key in ("prefill", "decode")}
+
+
+def route_round(route: Route, prompt: list[int], decode_tokens: int) -> dict[str, float]:
+    """One greedy generation over `route`: prefill and decode tokens/s."""
+    t0 = time.perf_counter()
+    stream = route.generate(prompt, decode_tokens + 1)
+    next(stream)
+    t1 = time.perf_counter()
+    for _ in stream:
+        pass
+    t2 = time.perf_counter()
+    return {"prefill": len(prompt) / (t1 - t0), "decode": decode_tokens / (t2 - t1)}
 
 
 def concurrent_decode(
@@ -237,26 +251,114 @@ def concurrent_decode(
 
 def engine_in_process(model: Path, threads: int, rounds: int) -> dict[str, float]:
     """The whole model through one ShardEngine in this process, greedy, same prompt and length."""
-    import numpy as np
     from dgr_native import load
 
     engine = load().Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
-    prompt = np.asarray(prompt_tokens(), dtype=np.int32)
-    prefill, decode = [], []
-    for r in range(rounds + 1):  # the first round warms up
-        session = r + 1
-        t0 = time.perf_counter()
-        token = int(np.argmax(engine.forward(session, 1, 0, tokens=prompt)[-1]))
-        t1 = time.perf_counter()
-        for i in range(DECODE_TOKENS):
-            row = engine.forward(session, 1, PROMPT_TOKENS + i, tokens=np.array([token], np.int32))
-            token = int(np.argmax(row[-1]))
-        t2 = time.perf_counter()
-        engine.release(session)
-        if r:
-            prefill.append(PROMPT_TOKENS / (t1 - t0))
-            decode.append(DECODE_TOKENS / (t2 - t1))
-    return {"prefill": statistics.median(prefill), "decode": statistics.median(decode)}
+    runs = [engine_round(engine, prompt_tokens()) for _ in range(rounds + 1)][1:]  # 1st warms up
+    return {key: statistics.median(r[key] for r in runs) for key in ("prefill", "decode")}
+
+
+def engine_round(
+    engine: Any, prompt_ids: list[int], decode_tokens: int = DECODE_TOKENS
+) -> dict[str, float]:
+    """One greedy generation through `engine` (a whole-model ShardEngine) in this process."""
+    import numpy as np
+
+    prompt = np.asarray(prompt_ids, dtype=np.int32)
+    t0 = time.perf_counter()
+    token = int(np.argmax(engine.forward(1, 1, 0, tokens=prompt)[-1]))
+    t1 = time.perf_counter()
+    for i in range(decode_tokens):
+        row = engine.forward(1, 1, len(prompt) + i, tokens=np.array([token], np.int32))
+        token = int(np.argmax(row[-1]))
+    t2 = time.perf_counter()
+    engine.release(1)
+    return {"prefill": len(prompt) / (t1 - t0), "decode": decode_tokens / (t2 - t1)}
+
+
+def paired(
+    model: Path,
+    n_layer: int,
+    descriptor: list[str],
+    rounds: int,
+    threads: int,
+    plain: Path,
+    with_rpc: Path,
+) -> list[dict[str, dict[str, float]]]:
+    """The setups the gate compares, timed in interleaved rounds: each round runs every one of
+    them once, back to back, in an order rotated from round to round. Every process stays up
+    (idle between its turns), so the rounds time generations, not starts. A shared VM drifts by
+    10% and more over minutes; a ratio taken within a round, where reference and route see the
+    same machine, does not carry that drift (the table's rows, timed minutes apart, do)."""
+    from dgr_native import load
+    from dgr_native.parity import even_layout
+
+    prompt = prompt_tokens()
+    engine = load().Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
+    fleets: dict[int, list[Any]] = {}
+    routes: dict[int, Route] = {}
+    procs, servers = rpc_servers(with_rpc / "ggml-rpc-server", 2, threads)
+    rpc = ["--rpc", ",".join(servers), "-ngl", "99", "-ts", "1/1"]
+    try:
+        for n in (1, 3):
+            fleets[n] = [
+                start_worker(model, a, b, descriptor=descriptor, threads=threads, n_ctx=1024)
+                for a, b in even_layout(n_layer, n)
+            ]
+            routes[n] = Route.open([w.address for w in fleets[n]], timeout=120)
+        setups = {
+            SINGLE_STOCK: lambda: llama_bench(with_rpc / "llama-bench", model, [], threads, 1),
+            SINGLE_LANE: lambda: llama_bench(plain / "llama-bench", model, [], threads, 1),
+            ENGINE: lambda: engine_round(engine, prompt),
+            ONE: lambda: route_round(routes[1], prompt, DECODE_TOKENS),
+            THREE: lambda: route_round(routes[3], prompt, DECODE_TOKENS),
+            RPC2: lambda: llama_bench(with_rpc / "llama-bench", model, rpc, threads, 1),
+        }
+        engine_round(engine, prompt)  # untimed: the engine's first graphs (workers warm up alone)
+        names = list(setups)
+        out = []
+        for r in range(rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            out.append({name: setups[name]() for name in order})
+        return out
+    finally:
+        for route in routes.values():
+            route.close()
+        for fleet in fleets.values():
+            for w in fleet:
+                w.stop()
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def paired_ratios(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
+    """Per-round ratios (the single-process reference is that round's faster llama-bench build)
+    and their medians; the medians are the gate's values."""
+
+    def single(r: dict[str, dict[str, float]], key: str) -> float:
+        return max(r[SINGLE_STOCK][key], r[SINGLE_LANE][key])
+
+    per_round: dict[str, list[float]] = {
+        "decode_ratio_3stage_vs_single": [r[THREE]["decode"] / single(r, "decode") for r in rounds],
+        "decode_ratio_3stage_vs_rpc": [r[THREE]["decode"] / r[RPC2]["decode"] for r in rounds],
+        "prefill_ratio_3stage_vs_single": [
+            r[THREE]["prefill"] / single(r, "prefill") for r in rounds
+        ],
+        "decode_ratio_3stage_vs_engine": [r[THREE]["decode"] / r[ENGINE]["decode"] for r in rounds],
+        "decode_ratio_1stage_vs_engine": [r[ONE]["decode"] / r[ENGINE]["decode"] for r in rounds],
+        "ms_per_token_1stage_over_engine": [
+            1000 / r[ONE]["decode"] - 1000 / r[ENGINE]["decode"] for r in rounds
+        ],
+    }
+    return {
+        "ratios": {k: statistics.median(v) for k, v in per_round.items()},
+        "per_round": per_round,
+        "rows": {
+            name: {k: statistics.median(r[name][k] for r in rounds) for k in ("prefill", "decode")}
+            for name in rounds[0]
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dgr_route.bench")
     parser.add_argument("--model", default="smollm2-135m-q4_1")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--paired-rounds", type=int, default=PAIRED_ROUNDS)
     parser.add_argument("--threads", type=int, nargs="+", default=list(THREAD_COUNTS))
     args = parser.parse_args(argv)
     model = model_path(args.model)
@@ -288,7 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     for threads in args.threads:
         rows = measure(model, n_layer, descriptor, args.rounds, threads, plain, with_rpc)
-        results["by_threads"][str(threads)] = summarize(rows, threads, n_embd)
+        summary = summarize(rows, threads, n_embd)
+        rounds = paired(model, n_layer, descriptor, args.paired_rounds, threads, plain, with_rpc)
+        summary["paired"] = paired_ratios(rounds)
+        summary["ratios"] = {**summary["table_ratios"], **summary["paired"]["ratios"]}
+        print_paired(summary["paired"], threads)
+        results["by_threads"][str(threads)] = summary
     gate: dict[str, float] = {}
     if str(GATE_THREADS) in results["by_threads"]:
         gate.update(results["by_threads"][str(GATE_THREADS)]["ratios"])
@@ -346,8 +454,7 @@ def summarize(rows: dict[str, dict[str, float]], threads: int, n_embd: int) -> d
         key: max(rows[SINGLE_STOCK][key], rows[SINGLE_LANE][key]) for key in ("prefill", "decode")
     }
     engine = rows[ENGINE]
-    three, rpc = rows["DGR forward 3 stages"], rows["llama.cpp RPC (2 servers)"]
-    one = rows["DGR forward 1 stage"]
+    three, rpc, one = rows[THREE], rows[RPC2], rows[ONE]
     per_token_ms = {
         name: 1000 / r["decode"] - 1000 / engine["decode"]
         for name, r in rows.items()
@@ -378,7 +485,16 @@ def summarize(rows: dict[str, dict[str, float]], threads: int, n_embd: int) -> d
     print(f"boundary bytes per token per seam: {n_embd * 4} (f32), {n_embd * 2} (f16/bf16)")
     for key, value in ratios.items():
         print(f"{key}: {value:.3f}")
-    return {"rows": rows, "ratios": ratios, "per_token_ms_over_engine": per_token_ms}
+    return {"rows": rows, "table_ratios": ratios, "per_token_ms_over_engine": per_token_ms}
+
+
+def print_paired(p: dict[str, Any], threads: int) -> None:
+    n = len(next(iter(p["per_round"].values())))
+    print(f"\n{threads} thread(s) per process, {n} interleaved rounds (median, min-max)")
+    for name, row in p["rows"].items():
+        print(f"{name:<30}{row['prefill']:>14.1f}{row['decode']:>14.1f}")
+    for key, values in p["per_round"].items():
+        print(f"{key}: {p['ratios'][key]:.3f} ({min(values):.3f}-{max(values):.3f})")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -30,7 +31,7 @@ from typing import Any
 from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
 
-from dgr_route.bench import engine_in_process, rpc_servers, time_route
+from dgr_route.bench import engine_round, route_round, rpc_servers, time_route
 from dgr_route.netsim import start_link
 from dgr_route.route import Route
 from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
@@ -113,28 +114,41 @@ def wan(model: Path, workers: list[WorkerProcess], pair: list[WorkerProcess]) ->
     the two RPC servers."""
     from dgr_llamacpp.build import build
     from dgr_llamacpp.workspace import open_workspace
+    from dgr_native import load
 
     with_rpc = build(
         open_workspace(), "cpu-rpc", ["llama-bench", "ggml-rpc-server"], log=sys.stderr
     )
-    compute_s = 1 / engine_in_process(model, 1, ROUNDS)["decode"]
-    print(f"compute: {compute_s * 1000:.2f} ms per token (whole model, one process, 1 thread)")
+
+    # the floor's compute is timed beside each route round (the whole model in this process, 1
+    # thread): a shared VM drifts over the minutes this takes, and a floor measured once at the
+    # start would carry that drift into every ratio
+    engine = load().Engine(str(model), 0, -1, n_threads=1, n_ctx=1024, max_sessions=1)
+    engine_round(engine, PROMPT, DECODE_TOKENS)  # untimed: the first graphs
     routes = {
         "dgr_forward_3stage": ("forward", workers),
         "dgr_forward_2stage": ("forward", pair),
         "dgr_relay_3stage": ("relay", workers),
     }
-    rows: dict[str, Any] = {"compute_ms_per_token": round(compute_s * 1000, 3)}
+    rows: dict[str, Any] = {}
+    computes: list[float] = []
     for latency in (0, 1, 10):
         row: dict[str, Any] = {}
         for name, (mode, fleet) in routes.items():
-            seconds = through_links(fleet, latency, None, mode)
-            floor = compute_s + hops(mode, len(fleet)) * latency / 1000
+            n_hops = hops(mode, len(fleet))
+            rounds = paired_through_links(engine, fleet, latency, mode)
+            computes += [c for c, _ in rounds]
+            floors = [c + n_hops * latency / 1000 for c, _ in rounds]
+            seconds = statistics.median(s for _, s in rounds)
+            floor = statistics.median(floors)
             row[name] = {
                 "decode_tps": round(1 / seconds, 2),
-                "hops": hops(mode, len(fleet)),
+                "hops": n_hops,
+                "compute_ms_per_token": round(statistics.median(c for c, _ in rounds) * 1000, 3),
                 "floor_tps": round(1 / floor, 2),
-                "of_floor": round(floor / seconds, 3),
+                "of_floor": round(
+                    statistics.median(f / s for f, (_, s) in zip(floors, rounds, strict=True)), 3
+                ),
             }
         procs, servers = rpc_servers(with_rpc / "ggml-rpc-server", 2, 1)
         links = [start_link(a, latency) for a in servers]
@@ -159,7 +173,31 @@ def wan(model: Path, workers: list[WorkerProcess], pair: list[WorkerProcess]) ->
                 f"{r['over_rpc_2servers']:.2f}x RPC",
                 flush=True,
             )
+    rows["compute_ms_per_token"] = round(statistics.median(computes) * 1000, 3)
+    print(f"compute: {rows['compute_ms_per_token']:.2f} ms per token (whole model, one process)")
     return rows
+
+
+def paired_through_links(
+    engine: Any, workers: list[WorkerProcess], latency_ms: float, mode: str
+) -> list[tuple[float, float]]:
+    """(compute, route) seconds per decode token, ROUNDS times: the engine in this process and
+    the route through delayed links, back to back in each round."""
+    links = [start_link(w.address, latency_ms, None) for w in workers]
+    route = None
+    try:
+        addresses = [link.address for link in links]
+        route = Route.open(addresses, timeout=120, mode=mode, peers=addresses)
+        out = []
+        for _ in range(ROUNDS):
+            compute = 1 / engine_round(engine, PROMPT, DECODE_TOKENS)["decode"]
+            out.append((compute, 1 / route_round(route, PROMPT, DECODE_TOKENS)["decode"]))
+        return out
+    finally:
+        if route is not None:
+            route.close()
+        for link in links:
+            link.stop()
 
 
 def seam_model(workers: list[WorkerProcess], n_embd: int) -> dict[str, Any]:
