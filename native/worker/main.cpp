@@ -87,10 +87,7 @@ void parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--max-queue") a.service.max_queue = to_int(k, val(), 0, 1 << 20);
         else if (k == "--max-batch") a.service.max_batch = to_int(k, val(), 1, 4096);
         else if (k == "--keepalive-ms") a.keepalive_ms = to_int(k, val(), 200, 3600 * 1000);
-        else if (k == "--lane") a.service.lane = val();
         else if (k == "--model-fingerprint") a.service.fingerprint = val();
-        else if (k == "--llama-commit") a.service.llama_commit = val();
-        else if (k == "--patch-stack") a.service.patch_hash = val();
         else if (k == "--drain-seconds") a.drain_seconds = to_int(k, val(), 0, 3600);
         else if (k == "--poll") a.poll = to_int(k, val(), 0, 100);
         else if (k == "--prio") a.prio = to_int(k, val(), 0, 3);
@@ -144,6 +141,14 @@ int main(int argc, char ** argv) {
     // gRPC's handler threads come and go with the streams, so a long-running worker's RSS would
     // creep up arena by arena. A few shared arenas keep it flat (the soak checks it).
     mallopt(M_ARENA_MAX, 2);
+    for (int i = 1; i < argc; ++i) {
+        if (std::string(argv[i]) == "--version") {  // the build identity Describe reports
+            const dgr::BuildInfo & b = dgr::build_info();
+            std::cout << "dgr-shard-worker llama.cpp " << b.llama_commit << " patches " << b.patch_stack_sha256
+                      << " lane " << b.lane << " schema " << b.schema_version << "\n";
+            return 0;
+        }
+    }
     Args args;
     try {
         parse_args(argc, argv, args);
@@ -151,8 +156,7 @@ int main(int argc, char ** argv) {
         std::cerr << "dgr-shard-worker: " << e.what() << "\n"
                   << "usage: dgr-shard-worker --model PATH --layers FIRST:LAST [--listen HOST:PORT] [--threads N]\n"
                      "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--max-batch N]\n"
-                     "  [--lane cpu]\n"
-                     "  [--model-fingerprint HEX] [--llama-commit SHA] [--patch-stack SHA] [--drain-seconds N]\n"
+                     "  [--model-fingerprint HEX] [--drain-seconds N] [--version]\n"
                      "  [--poll 0-100] [--prio 0-3] [--no-warmup] [--compute-slots DIR|auto|none] [--mtp] [--auth-token-file F]\n"
                      "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F] [--keepalive-ms N]\n";
         return 2;

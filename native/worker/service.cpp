@@ -163,10 +163,11 @@ Status ShardService::Describe(grpc::ServerContext * ctx, const dgr::v1::Describe
     if (Status st = authorize(ctx); !st.ok()) return st;
     auto * c = reply->mutable_compatibility();
     c->set_model_fingerprint(options_.fingerprint);
-    c->set_llama_cpp_commit(options_.llama_commit);
-    c->set_patch_stack_sha256(options_.patch_hash);
-    c->set_schema_version(1);
-    c->set_lane(options_.lane);
+    const dgr::BuildInfo & build = dgr::build_info();  // compiled in: where it started does not matter
+    c->set_llama_cpp_commit(build.llama_commit);
+    c->set_patch_stack_sha256(build.patch_stack_sha256);
+    c->set_schema_version(build.schema_version);
+    c->set_lane(build.lane);
     c->set_arch(desc_.arch);
     c->set_n_layer((uint32_t) desc_.n_layer);
     reply->set_layer_first((uint32_t) desc_.layer_first);

@@ -188,6 +188,15 @@ PYBIND11_MODULE(_dgr_engine, m) {
         .def("apply_chat_template", &PyEngine::apply_chat_template, py::arg("messages"),
              py::arg("add_assistant") = true);
     m.def("range_supported", &dgr::range_supported);
+    m.def("build_info", [] {
+        const dgr::BuildInfo & b = dgr::build_info();
+        py::dict d;
+        d["llama_commit"] = b.llama_commit;
+        d["patch_stack_sha256"] = b.patch_stack_sha256;
+        d["lane"] = b.lane;
+        d["schema_version"] = b.schema_version;
+        return d;
+    });
     m.def("generate_random_model",
           [](const std::string & metadata_path, const std::string & out_path, uint64_t seed, float stdev,
              const std::map<std::string, std::string> & tensor_types) {

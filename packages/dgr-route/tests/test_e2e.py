@@ -14,6 +14,8 @@ import grpc
 import pytest
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
+from dgr_prd.native_pin import llama_pin, patch_stack_hash
+from dgr_prd.paths import find_root
 from dgr_route.codec import FNV_OFFSET, encode
 from dgr_route.route import Route, RouteError
 from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
@@ -327,8 +329,11 @@ def test_a_refusal_down_the_route_names_that_stage(
         small_tail.stop()
 
 
-def test_health_describe_and_drain(smollm2: Path, descriptor: list[str]) -> None:
-    worker = start_worker(smollm2, 10, 20, descriptor=descriptor, n_ctx=256, max_sessions=3)
+def test_health_describe_and_drain(smollm2: Path, descriptor: list[str], tmp_path: Path) -> None:
+    # started outside any checkout: the build identity it reports is compiled into it
+    worker = start_worker(
+        smollm2, 10, 20, descriptor=descriptor, n_ctx=256, max_sessions=3, cwd=tmp_path
+    )
     channel = grpc.insecure_channel(worker.address)
     check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert check.status == health_pb2.HealthCheckResponse.SERVING
@@ -338,8 +343,10 @@ def test_health_describe_and_drain(smollm2: Path, descriptor: list[str]) -> None
     d = s.Describe(pb.DescribeRequest(), timeout=10)
     assert (d.layer_first, d.layer_last, d.boundary.n_embd, d.boundary.hc) == (10, 20, 576, 1)
     assert d.compatibility.model_fingerprint == descriptor[1]
-    assert d.compatibility.llama_cpp_commit.startswith("0c1e5709")
-    assert len(d.compatibility.patch_stack_sha256) == 64
+    repo = find_root()
+    assert d.compatibility.llama_cpp_commit == llama_pin(repo.llama_manifest)["commit"]
+    assert d.compatibility.patch_stack_sha256 == patch_stack_hash(repo.patches)
+    assert (d.compatibility.lane, d.compatibility.schema_version) == ("cpu", 1)
     worker.proc.send_signal(signal.SIGTERM)
     assert worker.proc.wait(30) == 0
     assert "DGR-WORKER-STOPPED" in (worker.proc.stdout.read() if worker.proc.stdout else "")

@@ -173,4 +173,15 @@ public:
 // Architectures whose graphs carry the range hooks (patch 0002); the full range works for all.
 bool range_supported(const std::string & arch);
 
+// What this binary was built from, compiled in at configure time (as llama.cpp's build-info):
+// a worker reports it in Describe whatever directory it was started from.
+struct BuildInfo {
+    const char * llama_commit;        // the pinned llama.cpp commit (native/llama.cpp/manifest.json)
+    const char * patch_stack_sha256;  // sha256 over the numbered patches, names and bytes, in order
+    const char * lane;                // the compile lane: cpu, cuda, ...
+    uint32_t schema_version;          // the dgr.v1 wire schema
+};
+
+const BuildInfo & build_info();
+
 }  // namespace dgr

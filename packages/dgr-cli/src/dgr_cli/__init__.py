@@ -7,11 +7,32 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from importlib.metadata import entry_points
+from importlib.metadata import entry_points, version
+from typing import Any
+
+
+def version_text() -> str:
+    """`dgr --version`: this command's version, then the build identity each installed native
+    part reports (the `dgr.build_info` entry points: llama.cpp commit, patch stack, lane)."""
+    lines = [f"dgr {version('dgr-cli')}"]
+    for ep in sorted(entry_points(group="dgr.build_info"), key=lambda e: e.name):
+        info: dict[str, Any] = ep.load()()
+        lines.append(f"{ep.name}: " + " ".join(f"{k}={v}" for k, v in info.items()))
+    return "\n".join(lines)
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, **_: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the build identity and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(version_text())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dgr", description="DGR, a distributed GGUF runtime")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
     for ep in sorted(entry_points(group="dgr.commands"), key=lambda e: e.name):
         register: Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None] = ep.load()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from dgr_native.build import build_engine
 
@@ -27,3 +28,9 @@ def load(lane: str = "cpu") -> ModuleType:
         spec.loader.exec_module(module)
         _module = module
     return _module
+
+
+def build_info() -> dict[str, Any]:
+    """What the engine module was built from, compiled into it: llama.cpp commit, patch stack
+    hash, lane and wire schema version (`dgr --version` prints it)."""
+    return dict(load().build_info())

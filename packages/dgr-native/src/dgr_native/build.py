@@ -21,12 +21,26 @@ def engine_source(repo_root: Path) -> Path:
     return repo_root / "native" / "engine"
 
 
+def build_identity(lane: str) -> dict[str, str]:
+    """What the engine and worker are built from, compiled into them (CMake cache variables):
+    the pinned llama.cpp commit, the patch stack's hash and the lane."""
+    from dgr_prd.native_pin import patch_stack_hash
+
+    ws = open_workspace()
+    return {
+        "DGR_LLAMA_COMMIT": ws.pin.commit,
+        "DGR_PATCH_STACK_SHA256": patch_stack_hash(ws.patches) or "",
+        "DGR_LANE": lane,
+    }
+
+
 def configure_engine(lane: str, variant: str, llama_lane: str, extra: list[str]) -> Path:
     """Configure native/engine in its own build directory (per checkout, lane and variant) over
     the `llama_lane` build of the patched llama.cpp; returns the directory."""
     ws = open_workspace()
     llama_bin = build(ws, llama_lane, ["llama"], log=sys.stderr)
     source = engine_source(ws.repo.root)
+    identity = build_identity(lane)
     key = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:10]
     out = build_root() / f"engine-{key}-{variant or lane}"
     args = [
@@ -40,6 +54,7 @@ def configure_engine(lane: str, variant: str, llama_lane: str, extra: list[str])
         "-DCMAKE_BUILD_TYPE=Release",
         f"-DDGR_LLAMA_SOURCE={ws.patched}",
         f"-DDGR_LLAMA_BIN={llama_bin}",
+        *(f"-D{k}={v}" for k, v in identity.items()),
         *extra,
         "-DDGR_BUILD_WORKER=ON",
     ]

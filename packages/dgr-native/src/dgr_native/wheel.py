@@ -19,6 +19,7 @@ from dgr_llamacpp.workspace import open_workspace
 from dgr_prd.metrics import report
 
 from dgr_native import load
+from dgr_native.build import build_identity
 
 UV = os.environ.get("UV", "uv")  # `uv run` names its own executable here
 
@@ -48,6 +49,7 @@ def build_wheel(out_dir: Path, lane: str = "cpu") -> Path:
         str(out_dir),
         "-C",
         f"cmake.define.DGR_LLAMA_SOURCE={patched}",
+        *(a for k, v in build_identity(lane).items() for a in ("-C", f"cmake.define.{k}={v}")),
         "-C",
         f"build-dir={build}",
     ]

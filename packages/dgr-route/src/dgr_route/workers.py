@@ -55,21 +55,11 @@ class WorkerProcess:
 
 
 def descriptor_args(model: Path) -> list[str]:
-    """Compatibility fields a worker reports: model fingerprint, llama.cpp pin, patch stack."""
+    """The model's fingerprint, which a worker reports beside the build identity compiled into
+    it (llama.cpp commit, patch stack, lane): nothing here depends on a checkout."""
     from dgr_artifacts.identity import fingerprint, open_model
-    from dgr_prd.native_pin import llama_pin, patch_stack_hash
-    from dgr_prd.paths import find_root
 
-    repo = find_root()
-    pin = llama_pin(repo.llama_manifest) or {}
-    return [
-        "--model-fingerprint",
-        fingerprint(open_model(model)),
-        "--llama-commit",
-        str(pin.get("commit", "")),
-        "--patch-stack",
-        patch_stack_hash(repo.patches) or "",
-    ]
+    return ["--model-fingerprint", fingerprint(open_model(model))]
 
 
 def start_worker(
@@ -86,6 +76,7 @@ def start_worker(
     extra: list[str] | None = None,
     descriptor: list[str] | None = None,
     timeout: float = 120.0,
+    cwd: Path | None = None,
 ) -> WorkerProcess:
     from dgr_native.build import worker_binary
 
@@ -114,6 +105,7 @@ def start_worker(
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "GRPC_VERBOSITY": "ERROR"},
+        cwd=cwd,
     )
     assert proc.stdout is not None
     log: list[str] = []
