@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pybind11
 from dgr_llamacpp.build import BuildError, build, build_root, configure, run_step
-from dgr_llamacpp.workspace import open_workspace
+from dgr_llamacpp.workspace import NativeWorkspace, open_workspace
+from dgr_prd.paths import find_root
+
+
+def workspace() -> NativeWorkspace:
+    """The native workspace of the checkout this package's source lives in (an editable install),
+    whatever the working directory: `dgr worker` or `dgr --version` run from anywhere build and
+    load that checkout's engine, not one found above the current directory."""
+    return open_workspace(find_root(Path(__file__).resolve().parent))
 
 
 def engine_source(repo_root: Path) -> Path:
@@ -26,7 +34,7 @@ def build_identity(lane: str) -> dict[str, str]:
     the pinned llama.cpp commit, the patch stack's hash and the lane."""
     from dgr_prd.native_pin import patch_stack_hash
 
-    ws = open_workspace()
+    ws = workspace()
     return {
         "DGR_LLAMA_COMMIT": ws.pin.commit,
         "DGR_PATCH_STACK_SHA256": patch_stack_hash(ws.patches) or "",
@@ -37,7 +45,7 @@ def build_identity(lane: str) -> dict[str, str]:
 def configure_engine(lane: str, variant: str, llama_lane: str, extra: list[str]) -> Path:
     """Configure native/engine in its own build directory (per checkout, lane and variant) over
     the `llama_lane` build of the patched llama.cpp; returns the directory."""
-    ws = open_workspace()
+    ws = workspace()
     llama_bin = build(ws, llama_lane, ["llama"], log=sys.stderr)
     source = engine_source(ws.repo.root)
     identity = build_identity(lane)
