@@ -1,6 +1,7 @@
 // libFuzzer harness over the range-ownership load: the input's first byte picks a layer range,
 // the rest is written out as a GGUF file and opened by ShardEngine::open, which loads only the
-// owned layers through the patched llama.cpp (patches 0001+) and creates a context over them. A
+// owned layers through the patched llama.cpp (patches 0001+) and creates a context over them, then
+// as a vocabulary-only load (dgr::Vocabulary, the client tokenizer). A
 // file it cannot serve must be refused with a ShardError; anything else (a crash, an abort, an
 // exception of another type, a sanitizer report) is a finding. Seeds: small random-weight models
 // of the architectures range ownership supports, whole and truncated.
@@ -52,6 +53,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
         (void) engine->describe();
     } catch (const dgr::ShardError &) {
         // refused with a typed error: what a worker reports and exits on
+    }
+    try {
+        dgr::Vocabulary vocab(g_path);  // the tokenizer a client loads from the same kind of file
+        (void) vocab.detokenize(vocab.tokenize("fuzz", true));
+    } catch (const dgr::ShardError &) {
     }
     std::remove(g_path.c_str());
     return 0;

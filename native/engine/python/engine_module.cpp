@@ -187,6 +187,20 @@ PYBIND11_MODULE(_dgr_engine, m) {
         .def("is_eog", &PyEngine::is_eog, py::arg("token"))
         .def("apply_chat_template", &PyEngine::apply_chat_template, py::arg("messages"),
              py::arg("add_assistant") = true);
+    py::class_<dgr::Vocabulary>(m, "Vocabulary")
+        .def(py::init([](const std::string & model_path) {
+                 py::gil_scoped_release release;
+                 return std::make_unique<dgr::Vocabulary>(model_path);
+             }),
+             py::arg("model_path"))
+        .def_property_readonly("n_vocab", &dgr::Vocabulary::n_vocab)
+        .def("tokenize", &dgr::Vocabulary::tokenize, py::arg("text"), py::arg("add_special") = true)
+        .def("detokenize",
+             [](const dgr::Vocabulary & v, const std::vector<int32_t> & tokens) { return py::bytes(v.detokenize(tokens)); },
+             py::arg("tokens"))
+        .def("is_eog", &dgr::Vocabulary::is_eog, py::arg("token"))
+        .def("apply_chat_template", &dgr::Vocabulary::apply_chat_template, py::arg("messages"),
+             py::arg("add_assistant") = true);
     m.def("range_supported", &dgr::range_supported);
     m.def("build_info", [] {
         const dgr::BuildInfo & b = dgr::build_info();
@@ -206,21 +220,4 @@ PYBIND11_MODULE(_dgr_engine, m) {
           },
           py::arg("metadata_path"), py::arg("out_path"), py::arg("seed"), py::arg("stdev") = 0.1f,
           py::arg("tensor_types") = std::map<std::string, std::string>{});
-    // the part of a stage that does not depend on its range (metadata and vocabulary): memory
-    // benchmarks measure it as the fixed runtime overhead of serving this model
-    m.def("hold_vocabulary", [](const std::string & path) {
-        llama_model_params params = llama_model_default_params();
-        params.vocab_only = true;
-        llama_model * model = nullptr;
-        {
-            py::gil_scoped_release release;
-            model = llama_model_load_from_file(path.c_str(), params);
-        }
-        if (model == nullptr) {
-            throw py::value_error("cannot load the vocabulary of " + path);
-        }
-        return py::capsule(model, "dgr.vocabulary", [](PyObject * cap) {
-            llama_model_free(static_cast<llama_model *>(PyCapsule_GetPointer(cap, "dgr.vocabulary")));
-        });
-    });
 }

@@ -81,6 +81,69 @@ void check_gguf_file(const std::string & path) {
     }
 }
 
+// the model's tokenizer, shared by ShardEngine and Vocabulary (any load, vocab_only included)
+std::vector<int32_t> vocab_tokenize(const llama_model * model, const std::string & text, bool add_special) {
+    const llama_vocab * vocab = llama_model_get_vocab(model);
+    std::vector<llama_token> out(text.size() + 16);
+    int32_t n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
+                               add_special, true);
+    if (n < 0) {
+        out.resize((size_t) -n);
+        n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special,
+                           true);
+    }
+    if (n < 0) {
+        throw ShardError(Status::invalid_argument, "text could not be tokenized");
+    }
+    out.resize((size_t) n);
+    return out;
+}
+
+std::string vocab_detokenize(const llama_model * model, const std::vector<int32_t> & tokens) {
+    const llama_vocab * vocab = llama_model_get_vocab(model);
+    const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+    for (int32_t t : tokens) {
+        if (t < 0 || t >= n_vocab) {
+            throw ShardError(Status::invalid_argument, "token id " + std::to_string(t) + " outside the vocabulary");
+        }
+    }
+    std::string out(tokens.size() * 8 + 16, '\0');
+    int32_t n = llama_detokenize(vocab, tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(),
+                                 false, false);
+    if (n < 0) {
+        out.resize((size_t) -n);
+        n = llama_detokenize(vocab, tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(), false,
+                             false);
+    }
+    out.resize((size_t) std::max(n, 0));
+    return out;
+}
+
+std::string vocab_chat(const llama_model * model, const std::vector<std::pair<std::string, std::string>> & messages,
+                       bool add_assistant) {
+    const char * tmpl = llama_model_chat_template(model, nullptr);
+    if (tmpl == nullptr) {
+        throw ShardError(Status::invalid_argument, "the model carries no chat template");
+    }
+    std::vector<llama_chat_message> chat;
+    size_t total = 0;
+    for (const auto & m : messages) {
+        chat.push_back({m.first.c_str(), m.second.c_str()});
+        total += m.first.size() + m.second.size();
+    }
+    std::string out(total * 2 + 256, '\0');
+    int32_t n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_assistant, out.data(), (int32_t) out.size());
+    if (n > (int32_t) out.size()) {
+        out.resize((size_t) n);
+        n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_assistant, out.data(), (int32_t) out.size());
+    }
+    if (n < 0) {
+        throw ShardError(Status::invalid_argument, "the model's chat template is not one llama.cpp can apply");
+    }
+    out.resize((size_t) n);
+    return out;
+}
+
 // what the seam needs to know, from the GGUF metadata alone (no tensor data is read)
 struct ModelShape {
     std::string arch;
@@ -287,68 +350,16 @@ public:
     }
 
     std::vector<int32_t> tokenize(const std::string & text, bool add_special) const override {
-        const llama_vocab * vocab = llama_model_get_vocab(model_);
-        std::vector<llama_token> out(text.size() + 16);
-        int32_t n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
-                                   add_special, true);
-        if (n < 0) {
-            out.resize((size_t) -n);
-            n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(),
-                               add_special, true);
-        }
-        if (n < 0) {
-            throw ShardError(Status::invalid_argument, "text could not be tokenized");
-        }
-        out.resize((size_t) n);
-        return out;
+        return vocab_tokenize(model_, text, add_special);
     }
 
-    std::string detokenize(const std::vector<int32_t> & tokens) const override {
-        const llama_vocab * vocab = llama_model_get_vocab(model_);
-        for (int32_t t : tokens) {
-            if (t < 0 || t >= desc_.n_vocab) {
-                throw ShardError(Status::invalid_argument, "token id " + std::to_string(t) + " outside the vocabulary");
-            }
-        }
-        std::string out(tokens.size() * 8 + 16, '\0');
-        int32_t n = llama_detokenize(vocab, tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(),
-                                     false, false);
-        if (n < 0) {
-            out.resize((size_t) -n);
-            n = llama_detokenize(vocab, tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(),
-                                 false, false);
-        }
-        out.resize((size_t) std::max(n, 0));
-        return out;
-    }
+    std::string detokenize(const std::vector<int32_t> & tokens) const override { return vocab_detokenize(model_, tokens); }
 
-    bool is_eog(int32_t token) const override {
-        return llama_vocab_is_eog(llama_model_get_vocab(model_), token);
-    }
+    bool is_eog(int32_t token) const override { return llama_vocab_is_eog(llama_model_get_vocab(model_), token); }
 
     std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
                                     bool add_assistant) const override {
-        const char * tmpl = llama_model_chat_template(model_, nullptr);
-        if (tmpl == nullptr) {
-            throw ShardError(Status::invalid_argument, "the model carries no chat template");
-        }
-        std::vector<llama_chat_message> chat;
-        size_t total = 0;
-        for (const auto & m : messages) {
-            chat.push_back({m.first.c_str(), m.second.c_str()});
-            total += m.first.size() + m.second.size();
-        }
-        std::string out(total * 2 + 256, '\0');
-        int32_t n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_assistant, out.data(), (int32_t) out.size());
-        if (n > (int32_t) out.size()) {
-            out.resize((size_t) n);
-            n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_assistant, out.data(), (int32_t) out.size());
-        }
-        if (n < 0) {
-            throw ShardError(Status::invalid_argument, "the model's chat template is not one llama.cpp can apply");
-        }
-        out.resize((size_t) n);
-        return out;
+        return vocab_chat(model_, messages, add_assistant);
     }
 
     void release(uint64_t session) override {
@@ -669,6 +680,35 @@ uint64_t prefix_hash(uint64_t h, const int32_t * tokens, size_t n) {
 
 std::unique_ptr<ShardEngine> ShardEngine::open(const EngineOptions & options) {
     return std::make_unique<LlamaShardEngine>(options);
+}
+
+Vocabulary::Vocabulary(const std::string & model_path) {
+    init_backend_once();
+    check_gguf_file(model_path);
+    probe_layers(model_path);  // the checks that keep llama.cpp's vocabulary load from aborting
+    llama_model_params mparams = llama_model_default_params();
+    mparams.vocab_only = true;
+    model_ = llama_model_load_from_file(model_path.c_str(), mparams);
+    if (model_ == nullptr) {
+        throw ShardError(Status::load_failed, model_path + ": " + take_or("vocabulary load failed"));
+    }
+}
+
+Vocabulary::~Vocabulary() { llama_model_free(model_); }
+
+int32_t Vocabulary::n_vocab() const { return llama_vocab_n_tokens(llama_model_get_vocab(model_)); }
+
+std::vector<int32_t> Vocabulary::tokenize(const std::string & text, bool add_special) const {
+    return vocab_tokenize(model_, text, add_special);
+}
+
+std::string Vocabulary::detokenize(const std::vector<int32_t> & tokens) const { return vocab_detokenize(model_, tokens); }
+
+bool Vocabulary::is_eog(int32_t token) const { return llama_vocab_is_eog(llama_model_get_vocab(model_), token); }
+
+std::string Vocabulary::apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
+                                            bool add_assistant) const {
+    return vocab_chat(model_, messages, add_assistant);
 }
 
 }  // namespace dgr

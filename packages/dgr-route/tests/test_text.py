@@ -56,7 +56,7 @@ def test_one_token_at_a_time_would_corrupt_these_scripts(tokenizer: Tokenizer) -
 def test_any_token_sequence_streams_to_its_whole_text(
     tokenizer: Tokenizer, data: st.DataObject
 ) -> None:
-    n_vocab = int(tokenizer.engine.describe()["n_vocab"])
+    n_vocab = int(tokenizer.vocab.n_vocab)
     tokens = data.draw(st.lists(st.integers(0, n_vocab - 1), max_size=40))
     whole = tokenizer.detokenize(tokens).decode("utf-8", errors="replace")
     assert streamed(tokenizer, tokens)[0] == whole

@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+struct llama_model;
+
 namespace dgr {
 
 enum class Status : int32_t {
@@ -168,6 +170,27 @@ public:
     // template matcher); throws invalid_argument when the model has no usable template
     virtual std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
                                             bool add_assistant) const = 0;
+};
+
+// The model's tokenizer alone, for clients that serve no layers: a vocab_only load (metadata and
+// vocabulary, no weights). Same tokenizer, detokenizer and chat template as ShardEngine's; the
+// file gets the same checks first, so a corrupt vocabulary is load_failed, never an abort.
+class Vocabulary {
+public:
+    explicit Vocabulary(const std::string & model_path);  // throws ShardError (load_failed)
+    ~Vocabulary();
+    Vocabulary(const Vocabulary &) = delete;
+    Vocabulary & operator=(const Vocabulary &) = delete;
+
+    int32_t n_vocab() const;
+    std::vector<int32_t> tokenize(const std::string & text, bool add_special) const;
+    std::string detokenize(const std::vector<int32_t> & tokens) const;  // invalid_argument outside the vocabulary
+    bool is_eog(int32_t token) const;
+    std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
+                                    bool add_assistant) const;
+
+private:
+    llama_model * model_ = nullptr;
 };
 
 // Architectures whose graphs carry the range hooks (patch 0002); the full range works for all.

@@ -64,7 +64,7 @@ def stage_main(model: str, first: int, last: int, boundary_in: str, boundary_out
 
     engine_module = load()
     if first < 0:  # the fixed-overhead probe: interpreter, libraries, metadata and vocabulary
-        vocabulary = engine_module.hold_vocabulary(model)
+        vocabulary = engine_module.Vocabulary(model)  # what a stage holds whatever its range
         print(json.dumps({"overhead": rss_bytes()[0]}))
         del vocabulary
         return

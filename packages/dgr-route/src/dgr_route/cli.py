@@ -16,27 +16,27 @@ from dgr_route.text import Detokenizer
 
 
 class Tokenizer:
-    """The model's own tokenizer, from a local copy of the GGUF (the smallest head stage)."""
+    """The model's own tokenizer, from a local copy of the GGUF: a vocabulary-only load (llama.cpp's
+    `vocab_only`: metadata and vocabulary, no weights)."""
 
     def __init__(self, model: Path) -> None:
         from dgr_native import load
 
-        self.engine = load().Engine(str(model), 0, 1, n_ctx=8, n_batch=8, max_sessions=1)
-        n_vocab = int(self.engine.describe()["n_vocab"])
+        self.vocab = load().Vocabulary(str(model))
         # end-of-generation ids go to the route as its stop ids: the head stops decoding itself
-        self.eog_ids = frozenset(t for t in range(n_vocab) if self.engine.is_eog(t))
+        self.eog_ids = frozenset(t for t in range(self.vocab.n_vocab) if self.vocab.is_eog(t))
 
     def encode(self, text: str) -> list[int]:
-        return list(self.engine.tokenize(text, True))
+        return list(self.vocab.tokenize(text, True))
 
     def detokenize(self, tokens: list[int]) -> bytes:
-        return bytes(self.engine.detokenize(tokens))
+        return bytes(self.vocab.detokenize(tokens))
 
     def is_eog(self, token: int) -> bool:
         return token in self.eog_ids
 
     def chat(self, messages: Sequence[tuple[str, str]]) -> str:
-        return str(self.engine.apply_chat_template(messages, True))
+        return str(self.vocab.apply_chat_template(messages, True))
 
 
 def model_arg(value: str) -> Path:
