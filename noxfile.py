@@ -123,7 +123,7 @@ def twins(session: nox.Session) -> None:
         session.run("dgr-native", "twin", name, "--check")
 
 
-@nox.session(name="bench-seams", python=False)
+@nox.session(name="bench-seam-bytes", python=False)
 def bench_seams(session: nox.Session) -> None:
     """Bytes per token per seam on real 3-stage routes (SmolLM2, the V4 twin; real V4 stated)."""
     session.run("python", "-m", "dgr_route.bench_seams", *session.posargs)
