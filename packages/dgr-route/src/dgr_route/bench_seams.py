@@ -1,4 +1,4 @@
-"""`nox -s bench-seams`: what crosses a seam per token, measured on real routes.
+"""`nox -s bench-seam-bytes`: what crosses a seam per token, measured on real routes.
 
 For each model a 3-stage route over loopback workers prefills a seeded prompt and decodes; the
 route counts the serialized boundary messages and token ids it relays into stages after the head.
