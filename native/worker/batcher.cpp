@@ -1,5 +1,6 @@
 #include "batcher.h"
 
+#include <chrono>
 #include <vector>
 
 namespace dgr::worker {
@@ -7,7 +8,8 @@ namespace dgr::worker {
 Batcher::Batcher(dgr::ShardEngine & engine, int32_t max_batch, ComputeSlots & slots)
     : engine_(engine), max_batch_(max_batch), slots_(slots) {}
 
-void Batcher::run(dgr::BatchItem & item) {
+Batcher::Timing Batcher::run(dgr::BatchItem & item) {
+    const auto arrived = std::chrono::steady_clock::now();
     Waiting me{&item};
     std::unique_lock<std::mutex> lock(mutex_);
     queue_.push_back(&me);
@@ -18,6 +20,9 @@ void Batcher::run(dgr::BatchItem & item) {
         }
         take_turn(lock);  // the oldest group: this caller's own, or one that waited longer
     }
+    const auto finished = std::chrono::steady_clock::now();
+    using seconds = std::chrono::duration<double>;
+    return {seconds(me.started - arrived).count(), seconds(finished - me.started).count()};
 }
 
 void Batcher::take_turn(std::unique_lock<std::mutex> & lock) {
@@ -35,6 +40,8 @@ void Batcher::take_turn(std::unique_lock<std::mutex> & lock) {
         }
     }
     busy_ = true;
+    const auto started = std::chrono::steady_clock::now();
+    for (Waiting * w : group) w->started = started;
     lock.unlock();
     std::vector<dgr::BatchItem> batch(group.size());
     for (size_t i = 0; i < group.size(); ++i) {

@@ -14,6 +14,7 @@
 #include "dgr/shard_engine.h"
 #include "slots.h"
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -27,8 +28,12 @@ public:
     Batcher(const Batcher &) = delete;
     Batcher & operator=(const Batcher &) = delete;
 
+    struct Timing {
+        double queue_seconds;    // waiting for its turn
+        double compute_seconds;  // its turn (the llama_decode it shared)
+    };
     // computes `item`, with whatever waits beside it; on return item.result or item.error is set
-    void run(dgr::BatchItem & item);
+    Timing run(dgr::BatchItem & item);
 
     // largest number of forwards computed in one llama_decode so far
     size_t widest() const;
@@ -37,6 +42,7 @@ private:
     struct Waiting {
         dgr::BatchItem * item;
         bool done = false;
+        std::chrono::steady_clock::time_point started{};  // when its turn began
     };
     // with the lock held and the engine free: compute the oldest group (unlocked meanwhile)
     void take_turn(std::unique_lock<std::mutex> & lock);

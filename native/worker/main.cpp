@@ -38,6 +38,7 @@ struct Args {
     bool warmup = true;
     int keepalive_ms = dgr::worker::kKeepaliveMs;  // every link, both sides
     std::string compute_slots = "auto";  // a directory, "auto" or "none"
+    std::string metrics_listen;          // HOST:PORT for /metrics and /metrics.json (empty: off)
     std::string tls_cert, tls_key, tls_client_ca, peer_ca;  // PEM contents
     dgr::worker::ServiceOptions service;
 };
@@ -94,6 +95,7 @@ void parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--mtp") a.mtp = true;
         else if (k == "--no-warmup") a.warmup = false;
         else if (k == "--compute-slots") a.compute_slots = val();
+        else if (k == "--metrics-listen") a.metrics_listen = val();
         else if (k == "--auth-token-file") {
             std::string token = read_file(val(), k);
             while (!token.empty() && (token.back() == '\n' || token.back() == '\r' || token.back() == ' ')) token.pop_back();
@@ -158,6 +160,7 @@ int main(int argc, char ** argv) {
                      "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--max-batch N]\n"
                      "  [--model-fingerprint HEX] [--drain-seconds N] [--version]\n"
                      "  [--poll 0-100] [--prio 0-3] [--no-warmup] [--compute-slots DIR|auto|none] [--mtp] [--auth-token-file F]\n"
+                     "  [--metrics-listen HOST:PORT]\n"
                      "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F] [--keepalive-ms N]\n";
         return 2;
     }
@@ -209,6 +212,15 @@ int main(int argc, char ** argv) {
         return 2;
     }
     dgr::worker::ShardService & service = *service_ptr;
+    if (!args.metrics_listen.empty()) {
+        try {
+            const int metrics_port = service.metrics().listen(args.metrics_listen);
+            std::cout << "DGR-WORKER-METRICS port=" << metrics_port << std::endl;
+        } catch (const std::exception & e) {
+            std::cerr << "dgr-shard-worker: " << e.what() << "\n";
+            return 4;
+        }
+    }
 
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;

@@ -140,7 +140,11 @@ ShardService::ShardService(std::unique_ptr<dgr::ShardEngine> engine, ServiceOpti
       desc_(engine_->describe()),
       peers_(std::move(peers)),
       slots_(options_.compute_slots_dir, options_.compute_slots),
-      batcher_(*engine_, std::min(options_.max_batch, desc_.n_batch), slots_) {}
+      batcher_(*engine_, std::min(options_.max_batch, desc_.n_batch), slots_),
+      metrics_(LiveState{[this] { return engine_->session_count(); },
+                         [this] { return (size_t) std::max(0, in_flight_.load()); },
+                         [this] { return engine_->kv_tokens(); }, (size_t) desc_.max_sessions,
+                         (size_t) desc_.n_ctx * (size_t) desc_.max_sessions}) {}
 
 ShardService::~ShardService() = default;
 
@@ -149,13 +153,17 @@ Status ShardService::authorize(grpc::ServerContext * ctx) const {
     const auto & md = ctx->client_metadata();
     auto it = md.find("authorization");
     if (it == md.end()) {
+        metrics_.error(StatusCode::UNAUTHENTICATED);
         return Status(StatusCode::UNAUTHENTICATED, "missing authorization: this worker needs a bearer token");
     }
     const std::string got(it->second.data(), it->second.size());
     const std::string want = "Bearer " + options_.token;
     unsigned char diff = got.size() == want.size() ? 0 : 1;
     for (size_t i = 0; i < got.size() && i < want.size(); ++i) diff |= (unsigned char) (got[i] ^ want[i]);
-    if (diff != 0) return Status(StatusCode::UNAUTHENTICATED, "wrong bearer token");
+    if (diff != 0) {
+        metrics_.error(StatusCode::UNAUTHENTICATED);
+        return Status(StatusCode::UNAUTHENTICATED, "wrong bearer token");
+    }
     return Status::OK;
 }
 
@@ -215,6 +223,12 @@ Status ShardService::CloseSession(grpc::ServerContext * ctx, const dgr::v1::Clos
 void ShardService::release(uint64_t session, uint64_t epoch) { engine_->release_epoch(session, epoch); }
 
 Status ShardService::compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply) {
+    Status st = compute_one(req, reply);
+    if (!st.ok()) metrics_.error(st.error_code());
+    return st;
+}
+
+Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply) {
     // backpressure: a bounded queue, refused beyond it (the session's cache is untouched and the
     // client may retry); the requests admitted compute in arrival order
     InFlight admitted(in_flight_);
@@ -232,7 +246,8 @@ Status ShardService::compute(const dgr::v1::ForwardRequest & req, dgr::v1::Forwa
     dgr::BatchItem item;
     item.request = fr;
     item.out_dtype = desc_.is_tail ? dgr::DType::f32 : d.out_dtype;
-    batcher_.run(item);
+    const Batcher::Timing timing = batcher_.run(item);
+    if (!item.error) metrics_.forward((size_t) fr.n_tokens, fr.n_tokens == 1 && fr.n_past > 0, timing.queue_seconds, timing.compute_seconds);
     int32_t token = -1;
     float logprob = 0.0f;
     try {

@@ -14,6 +14,7 @@
 #pragma once
 
 #include "batcher.h"
+#include "metrics.h"
 #include "dgr/shard_engine.h"
 #include "dgr/v1/shard.grpc.pb.h"
 #include "forwarding.h"
@@ -58,9 +59,13 @@ public:
     // feeds it bytes as they come off the wire.)
     grpc::Status compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply);
 
+    // counters and histograms (served at --metrics-listen by main)
+    Metrics & metrics() { return metrics_; }
+
 private:
     using Stream = grpc::ServerReaderWriter<dgr::v1::ForwardReply, dgr::v1::ForwardRequest>;
     grpc::Status authorize(grpc::ServerContext * ctx) const;
+    grpc::Status compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply);
     grpc::Status relay(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
     grpc::Status forward_stage(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
     grpc::Status forward_head(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
@@ -78,6 +83,7 @@ private:
 
     ComputeSlots slots_;
     Batcher batcher_;  // turns on the engine, in arrival order; decode steps batched
+    mutable Metrics metrics_;  // counted from const paths too (a refused authorization)
 };
 
 }  // namespace dgr::worker

@@ -333,6 +333,7 @@ public:
     Description describe() const override { return desc_; }
 
     size_t session_count() const override { return n_sessions_.load(); }
+    size_t kv_tokens() const override { return n_kv_tokens_.load(); }
 
     bool release_epoch(uint64_t session, uint64_t epoch) override {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -512,6 +513,7 @@ public:
                 from_f32(embd + (size_t) l.offset * n_embd, out.dtype, out.data.data(), n);
             }
         }
+        recount();
     }
 
 private:
@@ -556,7 +558,7 @@ private:
         llama_memory_seq_rm(llama_get_memory(ctx_), it->second.seq, -1, -1);
         free_seqs_.push_back(it->second.seq);
         sessions_.erase(it);
-        n_sessions_.store(sessions_.size());
+        recount();
     }
 
     Session & admit(const ForwardRequest & req) {
@@ -576,7 +578,7 @@ private:
             s.epoch = req.epoch;
             llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, -1, -1);
             Session & added = sessions_.emplace(req.session, s).first->second;
-            n_sessions_.store(sessions_.size());
+            recount();
             return added;
         }
         Session & s = it->second;
@@ -595,6 +597,7 @@ private:
             s.n_past = 0;
             s.hash = kPrefixHashSeed;
             s.hash_known = true;
+            recount();
         }
         if (req.n_past != s.n_past) {
             throw ShardError(Status::cache_mismatch, "session " + std::to_string(req.session) + " expects n_past " +
@@ -630,6 +633,15 @@ private:
     mutable std::mutex mutex_;
     std::map<uint64_t, Session> sessions_;
     std::atomic<size_t> n_sessions_{0};
+    std::atomic<size_t> n_kv_tokens_{0};  // the sessions' n_past summed (what their KV holds)
+
+    // with the engine's lock held, after sessions or their n_past changed
+    void recount() {
+        size_t kv = 0;
+        for (const auto & kv_session : sessions_) kv += (size_t) kv_session.second.n_past;
+        n_sessions_.store(sessions_.size());
+        n_kv_tokens_.store(kv);
+    }
     std::vector<llama_seq_id> free_seqs_;
 };
 

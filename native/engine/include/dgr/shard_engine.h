@@ -161,6 +161,8 @@ public:
     virtual std::vector<uint64_t> sessions() const = 0;
     // sessions holding a slot; never waits behind a forward in progress
     virtual size_t session_count() const = 0;
+    // tokens the sessions' caches hold, summed (KV in use); never waits behind a forward
+    virtual size_t kv_tokens() const = 0;
 
     // the model's tokenizer (every stage loads the vocabulary)
     virtual std::vector<int32_t> tokenize(const std::string & text, bool add_special) const = 0;

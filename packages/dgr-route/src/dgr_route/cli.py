@@ -78,6 +78,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 ("--tls-client-ca", args.tls_client_ca),
                 ("--auth-token-file", args.auth_token_file),
                 ("--peer-ca", args.peer_ca),
+                ("--metrics-listen", args.metrics_listen),
             ]
             if value
             for arg in (flag, str(value))
@@ -246,6 +247,11 @@ def register_worker(sub: Any) -> None:
         "--tls-client-ca", type=Path, help="PEM CA clients' certificates must chain to (mTLS)"
     )
     p.add_argument("--auth-token-file", type=Path, help="require this bearer token on every call")
+    p.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at /metrics and a JSON view at /metrics.json",
+    )
     p.add_argument(
         "--peer-ca",
         type=Path,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 READY = "DGR-WORKER-READY port="
+METRICS = "DGR-WORKER-METRICS port="  # printed before READY when --metrics-listen is given
 
 
 class WorkerStartError(RuntimeError):
@@ -24,6 +25,14 @@ class WorkerProcess:
     port: int
     layers: tuple[int, int]
     log: list[str] = field(default_factory=list)
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where its /metrics and /metrics.json are served (with --metrics-listen), else None."""
+        for line in self.log:
+            if line.startswith(METRICS):
+                return f"http://{self.host}:{int(line[len(METRICS) :])}"
+        return None
 
     @property
     def address(self) -> str:
@@ -109,18 +118,26 @@ def start_worker(
     )
     assert proc.stdout is not None
     log: list[str] = []
+    # raw reads of the pipe: a buffered readline() can take several lines at once (the metrics
+    # port, then READY) and leave select() waiting on a pipe that has nothing more to say
+    fd, pending = proc.stdout.fileno(), b""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        ready, _, _ = select.select([fd], [], [], 0.2)
         if ready:
-            line = proc.stdout.readline()
-            if not line:
+            chunk = os.read(fd, 65536)
+            if not chunk:
                 break
-            log.append(line.rstrip())
-            if line.startswith(READY):
-                return WorkerProcess(
-                    proc, host, int(line[len(READY) :].strip()), (first, last), log
-                )
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace").rstrip()
+                log.append(line)
+                if line.startswith(READY):
+                    if pending:
+                        log.append(pending.decode(errors="replace"))
+                    return WorkerProcess(
+                        proc, host, int(line[len(READY) :].strip()), (first, last), log
+                    )
         elif proc.poll() is not None:
             break
     proc.kill()

@@ -1,0 +1,212 @@
+#include "metrics.h"
+
+#include <CivetServer.h>
+#include <prometheus/text_serializer.h>
+
+#include <charconv>
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+namespace dgr::worker {
+
+namespace {
+
+const char * code_name(grpc::StatusCode code) {
+    switch (code) {
+        case grpc::StatusCode::OK: return "OK";
+        case grpc::StatusCode::CANCELLED: return "CANCELLED";
+        case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
+        case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+        case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+        case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+        case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+        case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+        case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+        case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+        case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+        case grpc::StatusCode::ABORTED: return "ABORTED";
+        case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
+        case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
+        case grpc::StatusCode::INTERNAL: return "INTERNAL";
+        case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+        case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
+        default: return "UNKNOWN";
+    }
+}
+
+// forward latency on a CPU lane runs from under a millisecond (a decode step of a small range) to
+// seconds (a long prefill chunk of a large model)
+const prometheus::Histogram::BucketBoundaries kSeconds = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                          0.1,    0.25,  0.5,    1.0,   2.5,  5.0,   10.0};
+
+std::string number(double v) {
+    if (std::isinf(v)) return v > 0 ? "\"+Inf\"" : "\"-Inf\"";
+    if (std::isnan(v)) return "null";
+    char buf[64];
+    const auto res = std::to_chars(buf, buf + sizeof(buf), v);  // the shortest form that reads back
+    return std::string(buf, res.ptr);
+}
+
+std::string quoted(const std::string & s) {
+    std::string out = "\"";
+    for (char c : s) {
+        if (c == '"' || c == '\\') out += '\\';
+        out += c;
+    }
+    return out + "\"";
+}
+
+std::string metric_json(const prometheus::MetricFamily & family, const prometheus::ClientMetric & m) {
+    switch (family.type) {
+        case prometheus::MetricType::Counter: return number(m.counter.value);
+        case prometheus::MetricType::Gauge: return number(m.gauge.value);
+        case prometheus::MetricType::Histogram: {
+            std::string out = "{\"count\": " + std::to_string(m.histogram.sample_count) +
+                              ", \"sum\": " + number(m.histogram.sample_sum) + ", \"buckets\": [";
+            for (size_t i = 0; i < m.histogram.bucket.size(); ++i) {
+                const auto & b = m.histogram.bucket[i];
+                out += (i ? ", [" : "[") + number(b.upper_bound) + ", " + std::to_string(b.cumulative_count) + "]";
+            }
+            return out + "]}";
+        }
+        default: return "null";
+    }
+}
+
+}  // namespace
+
+struct Metrics::Handler : public CivetHandler {
+    Handler(Metrics & metrics, bool as_json) : metrics_(metrics), json_(as_json) {}
+    bool handleGet(CivetServer *, struct mg_connection * conn) override {
+        const std::string body = json_ ? metrics_.json() : metrics_.text();
+        const char * type = json_ ? "application/json" : "text/plain; version=0.0.4; charset=utf-8";
+        mg_printf(conn, "HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n", type,
+                  body.size());
+        mg_write(conn, body.data(), body.size());
+        return true;
+    }
+    Metrics & metrics_;
+    bool json_;
+};
+
+Metrics::Metrics(LiveState live)
+    : live_(std::move(live)),
+      registry_(std::make_shared<prometheus::Registry>()),
+      prompt_tokens_(prometheus::BuildCounter()
+                         .Name("dgr:prompt_tokens_total")
+                         .Help("Tokens this stage computed in prefill forwards")
+                         .Register(*registry_)
+                         .Add({})),
+      generation_tokens_(prometheus::BuildCounter()
+                             .Name("dgr:generation_tokens_total")
+                             .Help("Tokens this stage computed in decode steps")
+                             .Register(*registry_)
+                             .Add({})),
+      forwards_(prometheus::BuildCounter()
+                    .Name("dgr:forwards_total")
+                    .Help("Forwards this stage computed")
+                    .Register(*registry_)
+                    .Add({})),
+      errors_(prometheus::BuildCounter()
+                  .Name("dgr:request_errors_total")
+                  .Help("Requests refused or failed, by gRPC status code")
+                  .Register(*registry_)),
+      sessions_(prometheus::BuildGauge()
+                    .Name("dgr:num_sessions_running")
+                    .Help("Sessions holding a slot (and a KV cache) on this stage")
+                    .Register(*registry_)
+                    .Add({})),
+      waiting_(prometheus::BuildGauge()
+                   .Name("dgr:num_requests_waiting")
+                   .Help("Forwards in flight on this stage: computing or waiting for their turn")
+                   .Register(*registry_)
+                   .Add({})),
+      kv_usage_(prometheus::BuildGauge()
+                    .Name("dgr:kv_cache_usage_perc")
+                    .Help("Fraction of the stage's KV cache in use (1 = full)")
+                    .Register(*registry_)
+                    .Add({})),
+      forward_latency_(prometheus::BuildHistogram()
+                           .Name("dgr:forward_latency_seconds")
+                           .Help("Time a forward's turn on the engine took")
+                           .Register(*registry_)
+                           .Add({}, kSeconds)),
+      queue_time_(prometheus::BuildHistogram()
+                      .Name("dgr:request_queue_time_seconds")
+                      .Help("Time a forward waited for its turn on the engine")
+                      .Register(*registry_)
+                      .Add({}, kSeconds)) {
+    prometheus::BuildGauge()
+        .Name("dgr:max_sessions")
+        .Help("Session slots this stage serves")
+        .Register(*registry_)
+        .Add({})
+        .Set((double) live_.max_sessions);
+}
+
+Metrics::~Metrics() {
+    if (server_) server_->close();
+}
+
+void Metrics::forward(size_t n_tokens, bool decode, double queue_seconds, double compute_seconds) {
+    (decode ? generation_tokens_ : prompt_tokens_).Increment((double) n_tokens);
+    forwards_.Increment();
+    queue_time_.Observe(queue_seconds);
+    forward_latency_.Observe(compute_seconds);
+}
+
+void Metrics::error(grpc::StatusCode code) { errors_.Add({{"code", code_name(code)}}).Increment(); }
+
+void Metrics::refresh() {
+    sessions_.Set((double) live_.sessions());
+    waiting_.Set((double) live_.queue_depth());
+    kv_usage_.Set(live_.kv_capacity ? (double) live_.kv_tokens() / (double) live_.kv_capacity : 0.0);
+}
+
+std::string Metrics::text() {
+    std::lock_guard<std::mutex> lock(scrape_);
+    refresh();
+    return prometheus::TextSerializer().Serialize(registry_->Collect());
+}
+
+std::string Metrics::json() {
+    std::lock_guard<std::mutex> lock(scrape_);
+    refresh();
+    std::string out = "{";
+    bool first = true;
+    for (const auto & family : registry_->Collect()) {
+        out += (first ? "" : ", ") + quoted(family.name) + ": ";
+        first = false;
+        const bool labelled = !family.metric.empty() && !family.metric[0].label.empty();
+        if (!labelled) {
+            out += family.metric.empty() ? "0" : metric_json(family, family.metric[0]);
+            continue;
+        }
+        out += "{";  // one label (the status code): {"INVALID_ARGUMENT": 2, ...}
+        for (size_t i = 0; i < family.metric.size(); ++i) {
+            const auto & m = family.metric[i];
+            out += (i ? ", " : "") + quoted(m.label.empty() ? "" : m.label[0].value) + ": " + metric_json(family, m);
+        }
+        out += "}";
+    }
+    return out + "}";
+}
+
+int Metrics::listen(const std::string & address) {
+    const std::vector<std::string> options = {"listening_ports", address, "num_threads", "2"};
+    try {
+        server_ = std::make_unique<CivetServer>(options);
+    } catch (const CivetException & e) {
+        throw std::runtime_error("--metrics-listen " + address + ": cannot listen (" + e.what() + ")");
+    }
+    text_handler_ = std::make_unique<Handler>(*this, false);
+    json_handler_ = std::make_unique<Handler>(*this, true);
+    server_->addHandler("/metrics.json", *json_handler_);
+    server_->addHandler("/metrics", *text_handler_);
+    const std::vector<int> ports = server_->getListeningPorts();
+    if (ports.empty()) throw std::runtime_error("--metrics-listen " + address + ": no listening port");
+    return ports[0];
+}
+
+}  // namespace dgr::worker

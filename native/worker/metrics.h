@@ -1,0 +1,73 @@
+// Worker metrics: counters and histograms in a prometheus-cpp registry, served over HTTP
+// (civetweb) at --metrics-listen as Prometheus text (/metrics) and as JSON for a tracker
+// (/metrics.json). Names follow vLLM's and llama-server's: a `dgr:` prefix, `_total` counters,
+// `_seconds` histograms, gauges for what is in flight now. Gauges are read at scrape time from
+// the live state (never behind a compute); the hot path only increments and observes.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+class CivetServer;
+
+namespace dgr::worker {
+
+// what the gauges show, read when a scrape comes
+struct LiveState {
+    std::function<size_t()> sessions;     // sessions holding a slot
+    std::function<size_t()> queue_depth;  // forwards in flight (computing or waiting)
+    std::function<size_t()> kv_tokens;    // tokens cached over all sessions
+    size_t max_sessions = 0;
+    size_t kv_capacity = 0;               // n_ctx per session x max_sessions
+};
+
+class Metrics {
+public:
+    explicit Metrics(LiveState live);
+    ~Metrics();
+    Metrics(const Metrics &) = delete;
+    Metrics & operator=(const Metrics &) = delete;
+
+    // one forward computed: its tokens (a prefill chunk, or one decode step), the time it waited
+    // for its turn on the engine and the time its turn took
+    void forward(size_t n_tokens, bool decode, double queue_seconds, double compute_seconds);
+    // a request refused or failed with `code`
+    void error(grpc::StatusCode code);
+
+    // serve /metrics and /metrics.json at host:port (port 0: any free one); returns the port.
+    // Throws std::runtime_error when it cannot listen.
+    int listen(const std::string & address);
+
+    std::string text();  // the Prometheus exposition
+    std::string json();  // the same figures as one JSON object
+
+private:
+    void refresh();  // the gauges from the live state
+
+    LiveState live_;
+    std::shared_ptr<prometheus::Registry> registry_;
+    prometheus::Counter & prompt_tokens_;
+    prometheus::Counter & generation_tokens_;
+    prometheus::Counter & forwards_;
+    prometheus::Family<prometheus::Counter> & errors_;
+    prometheus::Gauge & sessions_;
+    prometheus::Gauge & waiting_;
+    prometheus::Gauge & kv_usage_;
+    prometheus::Histogram & forward_latency_;
+    prometheus::Histogram & queue_time_;
+    std::mutex scrape_;  // one scrape refreshes and serializes at a time
+    std::unique_ptr<CivetServer> server_;
+    struct Handler;
+    std::unique_ptr<Handler> text_handler_, json_handler_;
+};
+
+}  // namespace dgr::worker

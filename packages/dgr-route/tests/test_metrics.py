@@ -1,0 +1,183 @@
+"""Worker metrics (--metrics-listen): live workers scraped over HTTP, the Prometheus text read with
+prometheus_client's own parser, and the JSON view for a tracker holding the same figures."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from dgr.v1 import shard_pb2 as pb
+from dgr.v1 import shard_pb2_grpc as pb_grpc
+from dgr_route.codec import encode
+from dgr_route.route import Route
+from dgr_route.workers import WorkerProcess, start_worker
+from prometheus_client.parser import text_string_to_metric_families
+
+N_CTX = 256
+PROMPT = list(range(1000, 1020))
+
+
+@pytest.fixture(scope="module")
+def workers(smollm2: Path, descriptor: list[str]) -> Iterator[list[WorkerProcess]]:
+    started = [
+        start_worker(
+            smollm2,
+            a,
+            b,
+            descriptor=descriptor,
+            n_ctx=N_CTX,
+            max_sessions=2,
+            extra=["--metrics-listen", "127.0.0.1:0"],
+        )
+        for a, b in [(0, 15), (15, 30)]
+    ]
+    yield started
+    for w in started:
+        w.stop()
+
+
+@pytest.fixture(scope="module")
+def descriptor(smollm2: Path) -> list[str]:
+    from dgr_route.workers import descriptor_args
+
+    return descriptor_args(smollm2)
+
+
+def scrape(worker: WorkerProcess) -> dict[str, float]:
+    """Every sample of the worker's /metrics, by name and labels, through prometheus_client."""
+    assert worker.metrics_url is not None
+    with urllib.request.urlopen(f"{worker.metrics_url}/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def scrape_json(worker: WorkerProcess) -> dict[str, object]:
+    assert worker.metrics_url is not None
+    with urllib.request.urlopen(f"{worker.metrics_url}/metrics.json", timeout=10) as r:
+        assert r.headers["Content-Type"] == "application/json"
+        data: dict[str, object] = json.loads(r.read())
+    return data
+
+
+def test_tokens_forwards_and_latency(workers: list[WorkerProcess]) -> None:
+    before = [scrape(w) for w in workers]
+    route = Route.open([w.address for w in workers])
+    try:
+        tokens = list(route.generate(PROMPT, 8))
+    finally:
+        route.close()
+    assert len(tokens) == 8
+    for w, b in zip(workers, before, strict=True):
+        m = scrape(w)
+
+        def grew(name: str, m: dict[str, float] = m, b: dict[str, float] = b) -> float:
+            return m[name] - b.get(name, 0.0)
+
+        # the prompt in one chunk, then a decode step for each token after the first
+        assert grew("dgr:prompt_tokens_total") == len(PROMPT)
+        assert grew("dgr:generation_tokens_total") == 7
+        assert grew("dgr:forwards_total") == 8
+        assert grew("dgr:forward_latency_seconds_count") == 8
+        assert grew("dgr:request_queue_time_seconds_count") == 8
+        assert grew("dgr:forward_latency_seconds_sum") > 0
+        assert m["dgr:forward_latency_seconds_bucket{le=+Inf}"] == m["dgr:forwards_total"]
+        assert m["dgr:max_sessions"] == 2
+        view = scrape_json(w)
+        assert view["dgr:forwards_total"] == m["dgr:forwards_total"]
+        latency = view["dgr:forward_latency_seconds"]
+        assert isinstance(latency, dict) and latency["count"] == m["dgr:forwards_total"]
+
+
+def test_gauges_follow_a_live_session(workers: list[WorkerProcess]) -> None:
+    decoded = [scrape(w)["dgr:generation_tokens_total"] for w in workers]
+    route = Route.open([w.address for w in workers])
+    stream = route.generate(PROMPT, 30)
+    try:
+        for _ in range(3):
+            next(stream)
+        # the head decodes on to max_tokens and holds the session until the stream closes
+        deadline = time.monotonic() + 30
+        while any(
+            scrape(w)["dgr:generation_tokens_total"] < d + 29
+            for w, d in zip(workers, decoded, strict=True)
+        ):
+            assert time.monotonic() < deadline, "the route did not decode to max_tokens"
+            time.sleep(0.05)
+        for w in workers:
+            m = scrape(w)
+            assert m["dgr:num_sessions_running"] == 1
+            # the session's cache: the prompt and the decoded tokens (the last sampled one is not
+            # computed yet), over n_ctx x max_sessions
+            kv = (len(PROMPT) + 29) / (N_CTX * 2)
+            assert m["dgr:kv_cache_usage_perc"] == pytest.approx(kv)
+            assert scrape_json(w)["dgr:kv_cache_usage_perc"] == pytest.approx(kv)
+    finally:
+        stream.close()
+        route.close()
+    deadline = time.monotonic() + 30
+    while any(scrape(w)["dgr:num_sessions_running"] for w in workers):
+        assert time.monotonic() < deadline, "the sessions were not released"
+        time.sleep(0.05)
+    assert all(scrape(w)["dgr:kv_cache_usage_perc"] == 0 for w in workers)
+
+
+def test_errors_by_status_code(workers: list[WorkerProcess]) -> None:
+    tail = workers[1]
+    key = "dgr:request_errors_total{code=INVALID_ARGUMENT}"
+    before = scrape(tail).get(key, 0.0)
+    bad = encode(np.zeros((3, 576), dtype=np.float32), "f32")
+    bad.shape[2] = 512  # not the model's n_embd
+    stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(tail.address))
+    for _ in range(2):
+        request = pb.ForwardRequest(session_id=7, expect=pb.CacheExpectation(epoch=1), boundary=bad)
+        with pytest.raises(grpc.RpcError) as info:
+            next(stub.Forward(iter([request]), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    m = scrape(tail)
+    assert m[key] - before == 2
+    errors = scrape_json(tail)["dgr:request_errors_total"]
+    assert isinstance(errors, dict) and errors["INVALID_ARGUMENT"] == m[key]
+
+
+def test_a_busy_metrics_port_stops_the_worker(smollm2: Path, workers: list[WorkerProcess]) -> None:
+    assert workers[0].metrics_url is not None
+    taken = workers[0].metrics_url.removeprefix("http://")
+    with pytest.raises(Exception, match="metrics-listen"):
+        start_worker(smollm2, 0, 15, n_ctx=N_CTX, extra=["--metrics-listen", taken], timeout=60)
+
+
+def test_dgr_worker_passes_the_flag(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    dgr = str(Path(sys.executable).parent / "dgr")
+    proc = subprocess.Popen(
+        [dgr, "worker", "--layers", "0:15", "--n-ctx", "64", "--metrics-listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("DGR-WORKER-METRICS port="), first
+        port = int(first.split("=", 1)[1])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            names = {f.name for f in text_string_to_metric_families(r.read().decode())}
+        assert {"dgr:forwards", "dgr:num_sessions_running"} <= names
+    finally:
+        proc.terminate()
+        proc.wait(30)
