@@ -5,6 +5,8 @@
 
 #include <charconv>
 #include <cmath>
+#include <fstream>
+#include <unistd.h>
 #include <stdexcept>
 #include <vector>
 
@@ -127,6 +129,11 @@ Metrics::Metrics(LiveState live)
                     .Help("Fraction of the stage's KV cache in use (1 = full)")
                     .Register(*registry_)
                     .Add({})),
+      resident_(prometheus::BuildGauge()
+                    .Name("process_resident_memory_bytes")
+                    .Help("Resident memory of the worker process, measured (as Prometheus' process collectors name it)")
+                    .Register(*registry_)
+                    .Add({})),
       forward_latency_(prometheus::BuildHistogram()
                            .Name("dgr:forward_latency_seconds")
                            .Help("Time a forward's turn on the engine took")
@@ -143,6 +150,13 @@ Metrics::Metrics(LiveState live)
         .Register(*registry_)
         .Add({})
         .Set((double) live_.max_sessions);
+    auto & memory = prometheus::BuildGauge()
+                        .Name("dgr:memory_bytes")
+                        .Help("The engine's buffers for this range by part (weights, KV cache, compute)")
+                        .Register(*registry_);
+    memory.Add({{"part", "model"}}).Set((double) live_.model_bytes);
+    memory.Add({{"part", "kv"}}).Set((double) live_.kv_bytes);
+    memory.Add({{"part", "compute"}}).Set((double) live_.compute_bytes);
 }
 
 Metrics::~Metrics() {
@@ -162,6 +176,10 @@ void Metrics::refresh() {
     sessions_.Set((double) live_.sessions());
     waiting_.Set((double) live_.queue_depth());
     kv_usage_.Set(live_.kv_capacity ? (double) live_.kv_tokens() / (double) live_.kv_capacity : 0.0);
+    // /proc/self/statm: size and resident, in pages
+    std::ifstream statm("/proc/self/statm");
+    uint64_t size = 0, resident = 0;
+    if (statm >> size >> resident) resident_.Set((double) resident * (double) sysconf(_SC_PAGESIZE));
 }
 
 std::string Metrics::text() {

@@ -28,6 +28,8 @@ struct LiveState {
     std::function<size_t()> kv_tokens;    // tokens cached over all sessions
     size_t max_sessions = 0;
     size_t kv_capacity = 0;               // n_ctx per session x max_sessions
+    // the engine's own memory breakdown for this range (what the estimator predicts)
+    uint64_t model_bytes = 0, kv_bytes = 0, compute_bytes = 0;
 };
 
 class Metrics {
@@ -62,6 +64,7 @@ private:
     prometheus::Gauge & sessions_;
     prometheus::Gauge & waiting_;
     prometheus::Gauge & kv_usage_;
+    prometheus::Gauge & resident_;
     prometheus::Histogram & forward_latency_;
     prometheus::Histogram & queue_time_;
     std::mutex scrape_;  // one scrape refreshes and serializes at a time

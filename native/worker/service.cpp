@@ -144,7 +144,8 @@ ShardService::ShardService(std::unique_ptr<dgr::ShardEngine> engine, ServiceOpti
       metrics_(LiveState{[this] { return engine_->session_count(); },
                          [this] { return (size_t) std::max(0, in_flight_.load()); },
                          [this] { return engine_->kv_tokens(); }, (size_t) desc_.max_sessions,
-                         (size_t) desc_.n_ctx * (size_t) desc_.max_sessions}) {}
+                         (size_t) desc_.n_ctx * (size_t) desc_.max_sessions, desc_.model_buffer_bytes, desc_.kv_bytes,
+                         desc_.compute_bytes}) {}
 
 ShardService::~ShardService() = default;
 
