@@ -52,7 +52,7 @@ def test_idle_report_matches_the_worker(
         # the alpha memory gate's bound (rss over estimate <= 1.15), with the process's fixed
         # overhead (libraries, vocabulary, gRPC) beside it; reserved compute pages may never be
         # touched, so the estimate can exceed what is resident
-        assert 0 < r.memory_estimated_bytes
+        assert r.memory_estimated_bytes > 0
         assert r.memory_measured_bytes <= 1.15 * r.memory_estimated_bytes + 64 * 2**20
 
 

@@ -55,6 +55,11 @@ def repo_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RepoPaths:
     return RepoPaths(root)
 
 
+def commit_all(root: Path, message: str) -> None:
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", message, "--allow-empty")
+
+
 EditStory = Callable[[str, Callable[[dict[str, Any]], object]], None]
 
 
@@ -66,5 +71,6 @@ def edit_story(repo_copy: RepoPaths) -> EditStory:
         data = json.loads(repo_copy.prd.read_text(encoding="utf-8"))
         change(next(s for s in data["stories"] if s["id"] == story_id))
         repo_copy.prd.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        commit_all(repo_copy.root, f"edit {story_id}")  # stories are run from committed trees
 
     return edit

@@ -32,8 +32,12 @@ def set_evidence(edit_story: Any, story_id: str, *commands: dict[str, Any]) -> N
 
 
 def run(paths: RepoPaths, story_id: str, **kwargs: Any) -> tuple[runner.RunOutcome, str]:
+    """Run a story, then commit what it wrote (as a developer commits evidence before the next
+    run: a story is marked done only from a committed tree)."""
     stream = io.StringIO()
     outcome = runner.run_story(paths, story_id, stream=stream, **kwargs)
+    for args in (["add", "-A"], ["commit", "-qm", f"evidence {story_id}", "--allow-empty"]):
+        subprocess.run(["git", *args], cwd=paths.root, check=True, capture_output=True)
     return outcome, stream.getvalue()
 
 
@@ -96,6 +100,19 @@ def test_override_is_recorded_and_never_marks_done(repo_copy: RepoPaths, edit_st
     assert outcome.record.dependency_override == ["DGR-018"]
     assert "not marked done" in outcome.record.reason
     assert status_of(repo_copy, "DGR-019") == (Status.IN_PROGRESS, False)
+
+
+def test_a_dirty_tree_never_marks_done(repo_copy: RepoPaths, edit_story: Any) -> None:
+    set_evidence(edit_story, "DGR-017", cmd("ok", "true"))
+    edit_story("DGR-017", lambda s: s.update(status="todo", passes=False))
+    (repo_copy.root / "notes.txt").write_text("uncommitted\n")
+    outcome, out = run(repo_copy, "DGR-017")
+    assert outcome.record.result is Result.PASS and outcome.record.git.dirty
+    assert "uncommitted changes" in outcome.record.reason and "not marked done" in out
+    assert status_of(repo_copy, "DGR-017") == (Status.TODO, False)
+    outcome, _ = run(repo_copy, "DGR-017")  # the same run from the committed tree
+    assert not outcome.record.git.dirty
+    assert status_of(repo_copy, "DGR-017") == (Status.DONE, True)
 
 
 def test_missing_lane_is_skipped_not_passed(repo_copy: RepoPaths, edit_story: Any) -> None:

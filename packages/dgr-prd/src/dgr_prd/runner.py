@@ -223,9 +223,9 @@ def overall(commands: list[CommandRecord]) -> tuple[Result, str]:
 
 
 def next_status(story: Story, result: Result, overridden: bool) -> tuple[Status, bool]:
-    """Status and passes after a run. Only a clean pass (no overridden dependency) makes a story
-    done; any other decisive run takes passes away. A skipped run (missing lane) proves nothing
-    either way and leaves the story as it was."""
+    """Status and passes after a run. Only a clean pass (no overridden dependency, run from a
+    committed tree) makes a story done; any other decisive run takes passes away. A skipped run
+    (missing lane) proves nothing either way and leaves the story as it was."""
     if result is Result.SKIPPED:
         return story.status, story.passes
     if result is Result.PASS and not overridden:
@@ -296,6 +296,12 @@ def run_story(
     result, reason = overall(commands)
     if pending and result is Result.PASS:
         reason += "; dependencies were overridden, so the story is not marked done"
+    if git.dirty and result is Result.PASS:
+        # passing evidence names a commit that holds exactly what ran
+        reason += (
+            "; the tree had uncommitted changes, so the story is not marked done"
+            " (commit, then run it again)"
+        )
     record = EvidenceRecord(
         story=story.id,
         title=story.title,
@@ -314,7 +320,7 @@ def run_story(
         reason=reason,
     )
     write_record(run_dir, record)
-    status, passes = next_status(story, result, bool(pending))
+    status, passes = next_status(story, result, bool(pending) or git.dirty)
     story.status, story.passes = status, passes
     dump_prd(prd, paths.prd)
     (run_dir / "handoff.md").write_text(render_handoff(prd, story, record), encoding="utf-8")
