@@ -9,6 +9,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from dgr_meshnet.certification import seal
 from dgr_meshnet.collect import capacity, descriptor
 from dgr_meshnet.inputs import (
     LOCK,
@@ -53,8 +54,15 @@ def test_live_inputs_validate_against_their_committed_schemas(
         links=[LinkCost(source=workers[0].address, target=workers[1].address, latency_ms=1.0,
                         bandwidth_mbps=1000.0)],
     )  # fmt: skip
-    inputs: list[BaseModel] = [descriptor(w.address), capacity(w.address, w.metrics_url), seam]
+    live = descriptor(w.address)
+    cert = seal(
+        descriptor=live, hardware_sha256="c" * 64, lane=live.lane, model="smollm2-135m-q4_1",
+        layouts=1, max_abs_logit_diff=0.0, passed=True, commit="a" * 40,
+        created_utc="2026-12-02T01:00:00Z",
+    )  # fmt: skip
+    inputs: list[BaseModel] = [live, capacity(w.address, w.metrics_url), seam, cert]
     by_model = {model: name for name, model in schema_models().items()}
+    assert set(map(type, inputs)) == set(by_model)  # every input the package registers
     for value in inputs:
         jsonschema.validate(json.loads(value.model_dump_json()), committed(by_model[type(value)]))
     with pytest.raises(jsonschema.ValidationError):  # and the schema does refuse

@@ -140,10 +140,13 @@ class SeamCostInput(_Input):
 
 def schema_models() -> dict[str, type[BaseModel]]:
     """The `dgr.schemas` entry point: the file each input's JSON Schema is generated into."""
+    from dgr_meshnet.certification import CertificationRecord  # it builds on these models
+
     return {
         "tracker-compatibility.schema.json": CompatibilityDescriptor,
         "tracker-capacity.schema.json": RangeCapacityReport,
         "tracker-seam-cost.schema.json": SeamCostInput,
+        "tracker-certification.schema.json": CertificationRecord,
     }
 
 
