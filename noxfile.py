@@ -182,6 +182,13 @@ def fuzz(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
+def certify(session: nox.Session) -> None:
+    """Certification records for a lane (`-- --lane cpu`): layout parity in process and over
+    workers per model, sealed and bound to descriptor and hardware, into certification/<lane>/."""
+    session.run("python", "-m", "dgr_cert.certify", *session.posargs)
+
+
+@nox.session(python=False)
 def demo(session: nox.Session) -> None:
     """Main job: the default model split into shards, streaming generation and a parity check."""
     session.run("dgr", "demo", *session.posargs)

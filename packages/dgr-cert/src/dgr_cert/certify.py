@@ -1,0 +1,106 @@
+"""`nox -s certify -- --lane cpu` (DGR-060): certify this machine's lane for each model. The layout
+parity harness runs every generated layout in process and over real workers (both modes); a
+model passes when every f32 layout is bitwise equal to one process and greedy-identical. Each
+result becomes a sealed certification record (dgr_meshnet.certification) bound to the exact
+descriptor a worker of that build reports and to this machine's hardware fingerprint, written to
+certification/<lane>/. Records are written only from a clean tree, at the commit they name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from dgr_meshnet.certification import CertificationRecord, hardware_sha256, seal, write_record
+from dgr_meshnet.collect import descriptor
+from dgr_prd.hardware import fingerprint
+from dgr_prd.lanes import available_lanes
+from dgr_prd.metrics import report
+from dgr_prd.paths import find_root
+from dgr_prd.runner import git_state
+from dgr_route.layout_parity import DEFAULT_MODELS
+from dgr_route.layout_parity import certify as layout_parity
+from dgr_route.workers import start_worker
+
+
+def certify_model(
+    lane: str,
+    name: str,
+    model: Path,
+    commit: str,
+    stages: list[int],
+    prompt_tokens: int = 200,
+    decode: int = 16,
+) -> CertificationRecord:
+    result = layout_parity(name, model, stages, prompt_tokens, decode, seed=0, workers=True)
+    m = result["metrics"]
+    worker_diffs = [
+        v
+        for layout in m["per_layout"].values()
+        for k, v in layout.items()
+        if k.startswith("workers_") and k.endswith("_max_abs_logit_diff")
+    ]
+    worker = start_worker(model, 0, int(m["n_layer"]), n_ctx=64, max_sessions=1)
+    try:
+        described = descriptor(worker.address)
+    finally:
+        worker.stop()
+    if described.lane != lane:
+        raise SystemExit(f"the {lane} lane was asked for, but the worker build is {described.lane}")
+    return seal(
+        descriptor=described,
+        hardware_sha256=hardware_sha256(fingerprint()),
+        lane=lane,
+        model=name,
+        layouts=int(m["layouts"]),
+        max_abs_logit_diff=float(max([m["in_process_f32_max_abs_logit_diff"], *worker_diffs])),
+        passed=bool(m["in_process_f32_all_bitwise"] and m["workers_all_bitwise"] is True),
+        commit=commit,
+        created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dgr_artifacts.models import model_path
+
+    parser = argparse.ArgumentParser(prog="python -m dgr_cert.certify")
+    parser.add_argument("--lane", required=True)
+    parser.add_argument("--model", action="append", help=f"default: {' '.join(DEFAULT_MODELS)}")
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    args = parser.parse_args(argv)
+    lanes = [lane.value for lane in available_lanes(fingerprint())]
+    if args.lane not in lanes:
+        print(f"no {args.lane} lane on this machine (available: {', '.join(lanes)})")
+        return 2
+    paths = find_root()
+    git = git_state(paths.root)
+    if git.dirty or not git.commit:
+        print("certification records are written only from a clean tree: commit first")
+        return 2
+    out = paths.root / "certification" / args.lane
+    records = []
+    for name in args.model or DEFAULT_MODELS:
+        record = certify_model(args.lane, name, model_path(name), git.commit, args.stages)
+        path = write_record(out, record)
+        records.append(record)
+        print(
+            f"{name} on {args.lane}: {'PASS' if record.passed else 'FAIL'}, {record.layouts} "
+            f"layouts, largest logit difference {record.max_abs_logit_diff:g}; "
+            f"{path.relative_to(paths.root)} (sealed {record.record_sha256[:12]})"
+        )
+    report(
+        "certify",
+        {
+            "lane": args.lane,
+            "records": len(records),
+            "passed": sum(r.passed for r in records),
+            "max_abs_logit_diff": max(r.max_abs_logit_diff for r in records),
+        },
+    )
+    return 0 if all(r.passed for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
