@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, TextIO
+from typing import Any
 
-from dgr_route.cli import Tokenizer, add_route_options, model_arg, open_route
-from dgr_route.route import Route, RouteError, Sampling
-from dgr_route.text import Detokenizer
+from dgr_route.cli import Tokenizer, add_route_options, model_arg, open_route, stream_text
+from dgr_route.route import RouteError, Sampling
 
 PROMPT = "> "
 
@@ -38,38 +37,6 @@ class Conversation:
                 return tokens, dropped
             self.turns.pop(0)
             dropped += 1
-
-
-def reply(
-    route: Route,
-    tokenizer: Tokenizer,
-    prompt: list[int],
-    max_tokens: int,
-    sampling: Sampling,
-    out: TextIO,
-) -> tuple[str, str]:
-    """Stream one reply to `out`; (its text, why it ended: stop, length or interrupted)."""
-    detok = Detokenizer(lambda ts: tokenizer.detokenize(list(ts)))
-    parts: list[str] = []
-    results = route.generate(prompt, max_tokens, sampling, set(tokenizer.eog_ids))
-    why = "length"
-    try:
-        for token in results:
-            if tokenizer.is_eog(token):
-                why = "stop"
-                break
-            text = detok.feed(token)
-            parts.append(text)
-            out.write(text)
-            out.flush()
-    except KeyboardInterrupt:
-        why = "interrupted"
-    finally:
-        results.close()  # ends the route session: every stage frees it
-    tail = detok.flush()
-    parts.append(tail)
-    out.write(tail)
-    return "".join(parts), why
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -119,18 +86,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 conversation.turns.pop()
                 continue
             try:
-                text, why = reply(
-                    route, tokenizer, prompt, min(args.max_tokens, room), sampling, out
+                streamed = stream_text(
+                    route, tokenizer, prompt, min(args.max_tokens, room), sampling, out, True
                 )
             except RouteError as exc:
                 print(f"\nerror: {exc}", file=sys.stderr)
                 conversation.turns.pop()
                 continue
-            conversation.turns.append(("assistant", text))
+            conversation.turns.append(("assistant", streamed.text))
             print(file=out)
-            if why == "interrupted":
+            if streamed.why == "interrupted":
                 print("(reply stopped)", file=sys.stderr)
-            elif why == "length":
+            elif streamed.why == "length":
                 print("(reply cut at max tokens)", file=sys.stderr)
     finally:
         route.close()

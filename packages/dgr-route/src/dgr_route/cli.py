@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -97,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     started = time.perf_counter()
     try:
-        count = stream_text(route, tokenizer, prompt, args.max_tokens, sampling, sys.stdout)
+        count = stream_text(route, tokenizer, prompt, args.max_tokens, sampling, sys.stdout).tokens
     except RouteError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
@@ -112,6 +113,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass
+class Streamed:
+    text: str  # what was written, end-of-generation not shown
+    tokens: int  # generated, an end-of-generation token included
+    why: str  # "stop", "length" or "interrupted"
+
+
 def stream_text(
     route: Route,
     tokenizer: Tokenizer,
@@ -119,24 +127,36 @@ def stream_text(
     max_tokens: int,
     sampling: Sampling,
     out: TextIO,
-) -> int:
-    """Write the generation's text to `out` as it comes (UTF-8 whole, end-of-generation not
-    shown); returns the number of tokens generated."""
-    detok = Detokenizer(lambda ts: tokenizer.detokenize(list(ts)))
-    count = 0
+    interruptible: bool = False,
+) -> Streamed:
+    """Write the generation's text to `out` as it comes (UTF-8 whole). With `interruptible`,
+    Ctrl-C ends this generation (why: "interrupted") rather than the program; either way the
+    route session ends with it."""
+    detok = Detokenizer(tokenizer.detokenize)
+    parts: list[str] = []
+
+    def emit(text: str) -> None:
+        parts.append(text)
+        out.write(text)
+        out.flush()
+
+    count, why = 0, "length"
     results = route.generate(prompt, max_tokens, sampling, set(tokenizer.eog_ids))
     try:
         for token in results:
             count += 1
             if tokenizer.is_eog(token):
+                why = "stop"
                 break
-            out.write(detok.feed(token))
-            out.flush()
+            emit(detok.feed(token))
+    except KeyboardInterrupt:
+        if not interruptible:
+            raise
+        why = "interrupted"
     finally:
-        results.close()
-        out.write(detok.flush())
-        out.flush()
-    return count
+        results.close()  # ends the route session: every stage frees it
+        emit(detok.flush())
+    return Streamed("".join(parts), count, why)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -44,7 +44,7 @@ def run_demo(args: argparse.Namespace) -> int:
         prompt = tokenizer.encode(args.prompt)
         print(f"prompt ({len(prompt)} tokens): {args.prompt}\n---", flush=True)
         tokens: list[int] = []
-        detok = Detokenizer(lambda ts: tokenizer.detokenize(list(ts)))
+        detok = Detokenizer(tokenizer.detokenize)
         t1 = time.perf_counter()
         first_at = t1
         for token in route.generate(prompt, args.max_tokens):

@@ -371,7 +371,7 @@ def create_app(
     def pieces(gen: Generation) -> Generator[Piece, None, None]:
         """The generation as text pieces; the last one carries finish_reason. A RouteError
         raised here is the route's failure."""
-        detok = Detokenizer(lambda ts: tokenizer.detokenize(list(ts)))
+        detok = Detokenizer(tokenizer.detokenize)
         matcher = StopMatcher(gen.stops)
         pending: list[TokenInfo] = []
         results = route.results(gen.prompt, gen.max_tokens, gen.sampling, set(tokenizer.eog_ids))

@@ -24,7 +24,7 @@ class Detokenizer:
 
     CONTEXT = 4  # tokens of context before the new one
 
-    def __init__(self, detokenize: Callable[[Sequence[int]], bytes]) -> None:
+    def __init__(self, detokenize: Callable[[list[int]], bytes]) -> None:
         self._detokenize = detokenize
         self._tokens: list[int] = []
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
