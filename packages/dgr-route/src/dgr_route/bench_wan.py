@@ -25,6 +25,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,19 +52,27 @@ def hops(mode: str, n_stages: int) -> int:
     return n_stages if mode == "forward" else 2 * n_stages
 
 
-def through_links(
-    workers: list[WorkerProcess], latency_ms: float, mbps: float | None, mode: str = "relay"
-) -> float:
-    """Seconds per decode token of the route over `workers`, each behind a simulated link that
-    the coordinator and the other stages alike reach it through."""
-    links = [start_link(w.address, latency_ms, mbps) for w in workers]
+@contextmanager
+def linked(
+    addresses: list[str], latency_ms: float, mbps: float | None = None
+) -> Iterator[list[str]]:
+    """A simulated link in front of each address; yields the links' addresses, to be reached
+    through by the coordinator and the other stages alike."""
+    links = [start_link(a, latency_ms, mbps) for a in addresses]
     try:
-        addresses = [link.address for link in links]
-        rate = time_route(addresses, PROMPT, DECODE_TOKENS, ROUNDS, mode, peers=addresses)
-        return 1 / rate["decode"]
+        yield [link.address for link in links]
     finally:
         for link in links:
             link.stop()
+
+
+def through_links(
+    workers: list[WorkerProcess], latency_ms: float, mbps: float | None, mode: str = "relay"
+) -> float:
+    """Seconds per decode token of the route over `workers`, each behind a simulated link."""
+    with linked([w.address for w in workers], latency_ms, mbps) as addresses:
+        rate = time_route(addresses, PROMPT, DECODE_TOKENS, ROUNDS, mode, peers=addresses)
+    return 1 / rate["decode"]
 
 
 def rpc_decode_tps(bench_bin: Path, model: Path, addresses: list[str]) -> float:
@@ -151,12 +161,10 @@ def wan(model: Path, workers: list[WorkerProcess], pair: list[WorkerProcess]) ->
                 ),
             }
         procs, servers = rpc_servers(with_rpc / "ggml-rpc-server", 2, 1)
-        links = [start_link(a, latency) for a in servers]
         try:
-            rpc_tps = rpc_decode_tps(with_rpc / "llama-bench", model, [x.address for x in links])
+            with linked(servers, latency) as addresses:
+                rpc_tps = rpc_decode_tps(with_rpc / "llama-bench", model, addresses)
         finally:
-            for link in links:
-                link.stop()
             for p in procs:
                 p.terminate()
                 p.wait(10)
@@ -183,21 +191,16 @@ def paired_through_links(
 ) -> list[tuple[float, float]]:
     """(compute, route) seconds per decode token, ROUNDS times: the engine in this process and
     the route through delayed links, back to back in each round."""
-    links = [start_link(w.address, latency_ms, None) for w in workers]
-    route = None
-    try:
-        addresses = [link.address for link in links]
+    with linked([w.address for w in workers], latency_ms) as addresses:
         route = Route.open(addresses, timeout=120, mode=mode, peers=addresses)
-        out = []
-        for _ in range(ROUNDS):
-            compute = 1 / engine_round(engine, PROMPT, DECODE_TOKENS)["decode"]
-            out.append((compute, 1 / route_round(route, PROMPT, DECODE_TOKENS)["decode"]))
-        return out
-    finally:
-        if route is not None:
+        try:
+            out = []
+            for _ in range(ROUNDS):
+                compute = 1 / engine_round(engine, PROMPT, DECODE_TOKENS)["decode"]
+                out.append((compute, 1 / route_round(route, PROMPT, DECODE_TOKENS)["decode"]))
+            return out
+        finally:
             route.close()
-        for link in links:
-            link.stop()
 
 
 def seam_model(workers: list[WorkerProcess], n_embd: int) -> dict[str, Any]:
