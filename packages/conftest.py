@@ -3,8 +3,10 @@ real ShardEngine module (built on first use)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -29,3 +31,36 @@ def quick_twin() -> Path:
     from dgr_native.twins import QUICK, twin_path
 
     return twin_path(QUICK)
+
+
+METERED_N_CTX, METERED_MAX_SESSIONS = 128, 2
+
+
+@pytest.fixture(scope="session")
+def metered_limits() -> tuple[int, int]:
+    """(n_ctx per session, max_sessions) of `metered_workers`."""
+    return METERED_N_CTX, METERED_MAX_SESSIONS
+
+
+@pytest.fixture(scope="module")
+def metered_workers(smollm2: Path) -> Iterator[list[Any]]:
+    """A 2-stage SmolLM2 route, [0, 15) and [15, 30), whose workers serve their metrics
+    (--metrics-listen on a free port) with `metered_limits`."""
+    from dgr_route.workers import descriptor_args, start_worker
+
+    descriptor = descriptor_args(smollm2)
+    started = [
+        start_worker(
+            smollm2,
+            a,
+            b,
+            descriptor=descriptor,
+            n_ctx=METERED_N_CTX,
+            max_sessions=METERED_MAX_SESSIONS,
+            extra=["--metrics-listen", "127.0.0.1:0"],
+        )
+        for a, b in [(0, 15), (15, 30)]
+    ]
+    yield started
+    for w in started:
+        w.stop()

@@ -17,7 +17,7 @@ from dgr_route.workers import WorkerProcess
 
 
 def test_certified_lanes_are_advertised_and_no_other(
-    smollm2: Path, workers: list[WorkerProcess], tmp_path: Path
+    smollm2: Path, metered_workers: list[WorkerProcess], tmp_path: Path
 ) -> None:
     commit = git_state(find_root().root).commit
     assert commit is not None
@@ -27,7 +27,7 @@ def test_certified_lanes_are_advertised_and_no_other(
     assert record.passed and record.layouts >= 1 and record.max_abs_logit_diff == 0.0
     records = [read_record(write_record(tmp_path, record))]
     here = hardware_sha256(fingerprint())
-    live = descriptor(workers[0].address)
+    live = descriptor(metered_workers[0].address)
     assert advertised_lanes(live, here, records) == ["cpu"]
     assert advertised_lanes(live.model_copy(update={"lane": "cuda"}), here, records) == []
     assert advertised_lanes(live, here, []) == []  # no record: nothing advertised

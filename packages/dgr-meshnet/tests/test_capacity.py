@@ -37,10 +37,10 @@ def report(w: WorkerProcess) -> RangeCapacityReport:
 
 
 def test_idle_report_matches_the_worker(
-    workers: list[WorkerProcess], limits: tuple[int, int]
+    metered_workers: list[WorkerProcess], metered_limits: tuple[int, int]
 ) -> None:
-    n_ctx, max_sessions = limits
-    for w in workers:
+    n_ctx, max_sessions = metered_limits
+    for w in metered_workers:
         r = report(w)
         assert (r.layers.first, r.layers.last) == w.layers
         assert (r.max_sessions, r.free_sessions) == (max_sessions, max_sessions)
@@ -57,35 +57,35 @@ def test_idle_report_matches_the_worker(
 
 
 def test_a_live_session_takes_a_slot_and_its_cache(
-    workers: list[WorkerProcess], limits: tuple[int, int]
+    metered_workers: list[WorkerProcess], metered_limits: tuple[int, int]
 ) -> None:
-    n_ctx, max_sessions = limits
-    route = Route.open([w.address for w in workers])
+    n_ctx, max_sessions = metered_limits
+    route = Route.open([w.address for w in metered_workers])
     stream = route.generate(PROMPT, 20)
     try:
         next(stream)
         # the head decodes on to max_tokens: 19 decode steps after the prompt, on both stages
         expected_left = n_ctx * max_sessions - (len(PROMPT) + 19)
         deadline = time.monotonic() + 30
-        while any(report(w).kv_tokens_left != expected_left for w in workers):
-            assert time.monotonic() < deadline, [report(w) for w in workers]
+        while any(report(w).kv_tokens_left != expected_left for w in metered_workers):
+            assert time.monotonic() < deadline, [report(w) for w in metered_workers]
             time.sleep(0.05)
-        for w in workers:
+        for w in metered_workers:
             assert report(w).free_sessions == max_sessions - 1
     finally:
         stream.close()
         route.close()
     deadline = time.monotonic() + 30
-    while any(report(w).free_sessions != max_sessions for w in workers):
+    while any(report(w).free_sessions != max_sessions for w in metered_workers):
         assert time.monotonic() < deadline
         time.sleep(0.05)
 
 
 def test_an_inconsistent_report_is_refused(
-    workers: list[WorkerProcess], limits: tuple[int, int]
+    metered_workers: list[WorkerProcess], metered_limits: tuple[int, int]
 ) -> None:
-    n_ctx, max_sessions = limits
-    good = report(workers[0]).model_dump()
+    n_ctx, max_sessions = metered_limits
+    good = report(metered_workers[0]).model_dump()
     for change, needle in [
         ({"free_sessions": max_sessions + 1}, "free_sessions"),
         ({"layers": {"first": 10, "last": 5}}, "first"),

@@ -31,8 +31,8 @@ def here() -> str:
 
 
 @pytest.fixture
-def live(workers: list[WorkerProcess]) -> CompatibilityDescriptor:
-    return descriptor(workers[0].address)
+def live(metered_workers: list[WorkerProcess]) -> CompatibilityDescriptor:
+    return descriptor(metered_workers[0].address)
 
 
 def record(d: CompatibilityDescriptor, hardware: str, **change: object) -> CertificationRecord:

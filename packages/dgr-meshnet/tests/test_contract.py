@@ -40,19 +40,19 @@ def committed(name: str) -> dict[str, Any]:
 
 
 def test_live_inputs_validate_against_their_committed_schemas(
-    workers: list[WorkerProcess],
+    metered_workers: list[WorkerProcess],
 ) -> None:
-    w = workers[0]
+    w = metered_workers[0]
     assert w.metrics_url is not None
     seam = SeamCostInput(
         boundary_bytes_per_token=576 * 4,
         stages=[
             StageCost(address=x.address, layers=LayerRange(first=x.layers[0], last=x.layers[1]),
                       compute_ms_per_token=6.5)
-            for x in workers
+            for x in metered_workers
         ],
-        links=[LinkCost(source=workers[0].address, target=workers[1].address, latency_ms=1.0,
-                        bandwidth_mbps=1000.0)],
+        links=[LinkCost(source=metered_workers[0].address, target=metered_workers[1].address,
+                        latency_ms=1.0, bandwidth_mbps=1000.0)],
     )  # fmt: skip
     live = descriptor(w.address)
     cert = seal(

@@ -29,8 +29,10 @@ OTHER = {
 }
 
 
-def test_live_workers_of_one_build_and_model_are_compatible(workers: list[WorkerProcess]) -> None:
-    head, tail = (descriptor(w.address) for w in workers)
+def test_live_workers_of_one_build_and_model_are_compatible(
+    metered_workers: list[WorkerProcess],
+) -> None:
+    head, tail = (descriptor(w.address) for w in metered_workers)
     require_compatible(head, tail)
     repo = find_root()
     pin = llama_pin(repo.llama_manifest)
@@ -41,8 +43,8 @@ def test_live_workers_of_one_build_and_model_are_compatible(workers: list[Worker
     assert head.recipe is None
 
 
-def test_every_field_is_exact(workers: list[WorkerProcess]) -> None:
-    real = descriptor(workers[0].address)
+def test_every_field_is_exact(metered_workers: list[WorkerProcess]) -> None:
+    real = descriptor(metered_workers[0].address)
     assert set(OTHER) == set(EXACT_FIELDS)  # every field of the descriptor is exercised
     for field, value in OTHER.items():
         other = real.model_copy(update={field: value})
@@ -68,9 +70,9 @@ def test_every_field_is_exact(workers: list[WorkerProcess]) -> None:
     ],
 )
 def test_a_malformed_descriptor_is_refused_by_field(
-    workers: list[WorkerProcess], field: str, value: object
+    metered_workers: list[WorkerProcess], field: str, value: object
 ) -> None:
-    good = descriptor(workers[0].address).model_dump()
+    good = descriptor(metered_workers[0].address).model_dump()
     with pytest.raises(ValidationError) as info:
         CompatibilityDescriptor.model_validate({**good, field: value})
     assert field in str(info.value)

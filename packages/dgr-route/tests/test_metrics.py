@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -19,34 +18,7 @@ from dgr_route.route import Route
 from dgr_route.workers import WorkerProcess, start_worker
 from prometheus_client.parser import text_string_to_metric_families
 
-N_CTX = 256
 PROMPT = list(range(1000, 1020))
-
-
-@pytest.fixture(scope="module")
-def workers(smollm2: Path, descriptor: list[str]) -> Iterator[list[WorkerProcess]]:
-    started = [
-        start_worker(
-            smollm2,
-            a,
-            b,
-            descriptor=descriptor,
-            n_ctx=N_CTX,
-            max_sessions=2,
-            extra=["--metrics-listen", "127.0.0.1:0"],
-        )
-        for a, b in [(0, 15), (15, 30)]
-    ]
-    yield started
-    for w in started:
-        w.stop()
-
-
-@pytest.fixture(scope="module")
-def descriptor(smollm2: Path) -> list[str]:
-    from dgr_route.workers import descriptor_args
-
-    return descriptor_args(smollm2)
 
 
 def scrape(worker: WorkerProcess) -> dict[str, float]:
@@ -71,15 +43,18 @@ def scrape_json(worker: WorkerProcess) -> dict[str, object]:
     return data
 
 
-def test_tokens_forwards_and_latency(workers: list[WorkerProcess]) -> None:
-    before = [scrape(w) for w in workers]
-    route = Route.open([w.address for w in workers])
+def test_tokens_forwards_and_latency(
+    metered_workers: list[WorkerProcess], metered_limits: tuple[int, int]
+) -> None:
+    _, max_sessions = metered_limits
+    before = [scrape(w) for w in metered_workers]
+    route = Route.open([w.address for w in metered_workers])
     try:
         tokens = list(route.generate(PROMPT, 8))
     finally:
         route.close()
     assert len(tokens) == 8
-    for w, b in zip(workers, before, strict=True):
+    for w, b in zip(metered_workers, before, strict=True):
         m = scrape(w)
 
         def grew(name: str, m: dict[str, float] = m, b: dict[str, float] = b) -> float:
@@ -93,16 +68,19 @@ def test_tokens_forwards_and_latency(workers: list[WorkerProcess]) -> None:
         assert grew("dgr:request_queue_time_seconds_count") == 8
         assert grew("dgr:forward_latency_seconds_sum") > 0
         assert m["dgr:forward_latency_seconds_bucket{le=+Inf}"] == m["dgr:forwards_total"]
-        assert m["dgr:max_sessions"] == 2
+        assert m["dgr:max_sessions"] == max_sessions
         view = scrape_json(w)
         assert view["dgr:forwards_total"] == m["dgr:forwards_total"]
         latency = view["dgr:forward_latency_seconds"]
         assert isinstance(latency, dict) and latency["count"] == m["dgr:forwards_total"]
 
 
-def test_gauges_follow_a_live_session(workers: list[WorkerProcess]) -> None:
-    decoded = [scrape(w)["dgr:generation_tokens_total"] for w in workers]
-    route = Route.open([w.address for w in workers])
+def test_gauges_follow_a_live_session(
+    metered_workers: list[WorkerProcess], metered_limits: tuple[int, int]
+) -> None:
+    n_ctx, max_sessions = metered_limits
+    decoded = [scrape(w)["dgr:generation_tokens_total"] for w in metered_workers]
+    route = Route.open([w.address for w in metered_workers])
     stream = route.generate(PROMPT, 30)
     try:
         for _ in range(3):
@@ -111,30 +89,30 @@ def test_gauges_follow_a_live_session(workers: list[WorkerProcess]) -> None:
         deadline = time.monotonic() + 30
         while any(
             scrape(w)["dgr:generation_tokens_total"] < d + 29
-            for w, d in zip(workers, decoded, strict=True)
+            for w, d in zip(metered_workers, decoded, strict=True)
         ):
             assert time.monotonic() < deadline, "the route did not decode to max_tokens"
             time.sleep(0.05)
-        for w in workers:
+        for w in metered_workers:
             m = scrape(w)
             assert m["dgr:num_sessions_running"] == 1
             # the session's cache: the prompt and the decoded tokens (the last sampled one is not
             # computed yet), over n_ctx x max_sessions
-            kv = (len(PROMPT) + 29) / (N_CTX * 2)
+            kv = (len(PROMPT) + 29) / (n_ctx * max_sessions)
             assert m["dgr:kv_cache_usage_perc"] == pytest.approx(kv)
             assert scrape_json(w)["dgr:kv_cache_usage_perc"] == pytest.approx(kv)
     finally:
         stream.close()
         route.close()
     deadline = time.monotonic() + 30
-    while any(scrape(w)["dgr:num_sessions_running"] for w in workers):
+    while any(scrape(w)["dgr:num_sessions_running"] for w in metered_workers):
         assert time.monotonic() < deadline, "the sessions were not released"
         time.sleep(0.05)
-    assert all(scrape(w)["dgr:kv_cache_usage_perc"] == 0 for w in workers)
+    assert all(scrape(w)["dgr:kv_cache_usage_perc"] == 0 for w in metered_workers)
 
 
-def test_errors_by_status_code(workers: list[WorkerProcess]) -> None:
-    tail = workers[1]
+def test_errors_by_status_code(metered_workers: list[WorkerProcess]) -> None:
+    tail = metered_workers[1]
     key = "dgr:request_errors_total{code=INVALID_ARGUMENT}"
     before = scrape(tail).get(key, 0.0)
     bad = encode(np.zeros((3, 576), dtype=np.float32), "f32")
@@ -151,11 +129,13 @@ def test_errors_by_status_code(workers: list[WorkerProcess]) -> None:
     assert isinstance(errors, dict) and errors["INVALID_ARGUMENT"] == m[key]
 
 
-def test_a_busy_metrics_port_stops_the_worker(smollm2: Path, workers: list[WorkerProcess]) -> None:
-    assert workers[0].metrics_url is not None
-    taken = workers[0].metrics_url.removeprefix("http://")
+def test_a_busy_metrics_port_stops_the_worker(
+    smollm2: Path, metered_workers: list[WorkerProcess]
+) -> None:
+    assert metered_workers[0].metrics_url is not None
+    taken = metered_workers[0].metrics_url.removeprefix("http://")
     with pytest.raises(Exception, match="metrics-listen"):
-        start_worker(smollm2, 0, 15, n_ctx=N_CTX, extra=["--metrics-listen", taken], timeout=60)
+        start_worker(smollm2, 0, 15, n_ctx=64, extra=["--metrics-listen", taken], timeout=60)
 
 
 def test_dgr_worker_passes_the_flag(tmp_path: Path) -> None:
