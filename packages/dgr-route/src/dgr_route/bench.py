@@ -6,12 +6,12 @@ backend with 2 and 3 ggml-rpc-server processes. Every setup runs at 1 and 2 thre
 and reports the alpha-gate metrics (thresholds in prd.json's alpha gate; `dgr-prd gate alpha`
 checks them).
 
-The table times each setup in its own block, minutes apart; on a shared VM whose speed drifts by
-10% and more over minutes, ratios of such rows move with the drift (one run put llama-bench's two
-builds of the same code 13% apart). The gate's ratios therefore come from interleaved rounds
-(`paired`): llama-bench (both builds), the engine in process, 1- and 3-stage forward routes and
+On a shared VM whose speed drifts by 10% and more over minutes, ratios of setups timed minutes
+apart move with the drift (one run put llama-bench's two builds of the same code 13% apart). The
+gate's ratios therefore come from interleaved rounds (`paired`): llama-bench (both builds), the engine in process, 1- and 3-stage forward routes and
 RPC with 2 servers, each once per round, back to back, every process up throughout; a round's
-ratio compares setups that saw the same machine, and the gate reads the median over rounds.
+ratio compares setups that saw the same machine, and the gate reads the median over rounds. The
+table's other rows are timed each in its own block; its reference rows are the rounds' medians.
 
 On one small machine all stages share its cores: with as many threads per process as cores, a
 stage's barrier threads get preempted by anything else that runs, a cost a real one-stage-per-host
@@ -249,15 +249,6 @@ def concurrent_decode(
     return rates
 
 
-def engine_in_process(model: Path, threads: int, rounds: int) -> dict[str, float]:
-    """The whole model through one ShardEngine in this process, greedy, same prompt and length."""
-    from dgr_native import load
-
-    engine = load().Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
-    runs = [engine_round(engine, prompt_tokens()) for _ in range(rounds + 1)][1:]  # 1st warms up
-    return {key: statistics.median(r[key] for r in runs) for key in ("prefill", "decode")}
-
-
 def engine_round(
     engine: Any, prompt_ids: list[int], decode_tokens: int = DECODE_TOKENS
 ) -> dict[str, float]:
@@ -390,12 +381,15 @@ def main(argv: list[str] | None = None) -> int:
         "by_threads": {},
     }
     for threads in args.threads:
-        rows = measure(model, n_layer, descriptor, args.rounds, threads, plain, with_rpc)
-        summary = summarize(rows, threads, n_embd)
         rounds = paired(model, n_layer, descriptor, args.paired_rounds, threads, plain, with_rpc)
-        summary["paired"] = paired_ratios(rounds)
-        summary["ratios"] = {**summary["table_ratios"], **summary["paired"]["ratios"]}
-        print_paired(summary["paired"], threads)
+        interleaved = paired_ratios(rounds)
+        rows = measure(
+            model, n_layer, descriptor, args.rounds, threads, with_rpc, interleaved["rows"]
+        )
+        summary = summarize(rows, threads, n_embd)
+        summary["paired"] = interleaved
+        summary["ratios"] = {**summary["table_ratios"], **interleaved["ratios"]}
+        print_paired(interleaved, threads)
         results["by_threads"][str(threads)] = summary
     gate: dict[str, float] = {}
     if str(GATE_THREADS) in results["by_threads"]:
@@ -418,13 +412,14 @@ def measure(
     descriptor: list[str],
     rounds: int,
     threads: int,
-    plain: Path,
     with_rpc: Path,
+    references: dict[str, dict[str, float]],
 ) -> dict[str, dict[str, float]]:
-    rows: dict[str, dict[str, float]] = {}
-    rows[SINGLE_STOCK] = llama_bench(with_rpc / "llama-bench", model, [], threads)
-    rows[SINGLE_LANE] = llama_bench(plain / "llama-bench", model, [], threads)
-    rows[ENGINE] = engine_in_process(model, threads, rounds)
+    """Every setup's row. The references (llama-bench, the engine, RPC with 2 servers) are the
+    interleaved rounds' medians, `references`, not timed a second time."""
+    rows: dict[str, dict[str, float]] = {
+        k: references[k] for k in (SINGLE_STOCK, SINGLE_LANE, ENGINE)
+    }
     for n in STAGES:
         for mode, row in dgr_route(model, n, n_layer, descriptor, rounds, threads).items():
             rows[f"DGR {mode} {n} stage{'s' if n > 1 else ''}"] = row
@@ -433,7 +428,10 @@ def measure(
             model, n_layer, descriptor, threads, max_batch
         ).items():
             rows[f"DGR forward 3 stages, {sessions}, {name}"] = {"prefill": 0.0, "decode": rate}
+    rows[RPC2] = references[RPC2]
     for count in RPC_SERVERS:
+        if f"llama.cpp RPC ({count} servers)" in rows:
+            continue
         procs, addresses = rpc_servers(with_rpc / "ggml-rpc-server", count, threads)
         try:
             rows[f"llama.cpp RPC ({count} servers)"] = llama_bench(
