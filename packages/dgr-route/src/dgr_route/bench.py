@@ -8,10 +8,11 @@ checks them).
 
 On a shared VM whose speed drifts by 10% and more over minutes, ratios of setups timed minutes
 apart move with the drift (one run put llama-bench's two builds of the same code 13% apart). The
-gate's ratios therefore come from interleaved rounds (`paired`): llama-bench (both builds), the engine in process, 1- and 3-stage forward routes and
-RPC with 2 servers, each once per round, back to back, every process up throughout; a round's
-ratio compares setups that saw the same machine, and the gate reads the median over rounds. The
-table's other rows are timed each in its own block; its reference rows are the rounds' medians.
+gate's ratios therefore come from interleaved rounds (`paired`): llama-bench (both builds), the
+engine in process, 1- and 3-stage forward routes and RPC with 2 servers, each once per round, back
+to back, every process up throughout; a round's ratio compares setups that saw the same machine,
+and the gate reads the median over rounds. The table's other rows are timed each in its own
+block; its reference rows are the rounds' medians.
 
 On one small machine all stages share its cores: with as many threads per process as cores, a
 stage's barrier threads get preempted by anything else that runs, a cost a real one-stage-per-host
