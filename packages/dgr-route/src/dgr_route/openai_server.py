@@ -375,14 +375,14 @@ def create_app(
         matcher = StopMatcher(gen.stops)
         pending: list[TokenInfo] = []
         results = route.results(gen.prompt, gen.max_tokens, gen.sampling, set(tokenizer.eog_ids))
+        finish = "length"
         with contextlib.closing(results):
             for result in results:
                 gen.completion_tokens += 1
                 token = int(result.token_id)
                 if tokenizer.is_eog(token):
-                    text, hit = matcher.feed(detok.flush())
-                    yield Piece(text + matcher.flush(), pending, "stop")
-                    return
+                    finish = "stop"
+                    break
                 if gen.want_logprobs:
                     pending.append(token_info(token, result, gen.top_logprobs))
                 text, hit = matcher.feed(detok.feed(token))
@@ -392,8 +392,8 @@ def create_app(
                 if text:
                     yield Piece(text, pending)
                     pending = []
-        text, hit = matcher.feed(detok.flush())
-        yield Piece(text if hit else text + matcher.flush(), pending, "stop" if hit else "length")
+        text, hit = matcher.feed(detok.flush())  # a held partial character, then the held tail
+        yield Piece(text + matcher.flush(), pending, "stop" if hit else finish)
 
     def token_info(token: int, result: pb.TokenResult, top: int) -> TokenInfo:
         alternatives: list[tuple[int, bytes, float]] = []
