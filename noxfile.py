@@ -141,6 +141,12 @@ def bench_seam(session: nox.Session) -> None:
     session.run("python", "-m", "dgr_route.bench_wan", "--seam-model", *session.posargs)
 
 
+@nox.session(name="bench-plan", python=False)
+def bench_plan(session: nox.Session) -> None:
+    """Planned routes on loopback through generated links: measured vs predicted, vs even split."""
+    session.run("python", "-m", "dgr_placement.bench", *session.posargs)
+
+
 @nox.session(name="bench-memory", python=False)
 def bench_memory(session: nox.Session) -> None:
     """Per-stage RSS of a 3-way split next to owned weights, KV and compute buffers."""

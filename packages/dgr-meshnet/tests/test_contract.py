@@ -9,12 +9,12 @@ from typing import Any
 
 import jsonschema
 import pytest
+from dgr_artifacts.ranges import LayerRange
 from dgr_meshnet.certification import seal
 from dgr_meshnet.collect import capacity, descriptor
 from dgr_meshnet.inputs import (
     LOCK,
     CompatibilityDescriptor,
-    LayerRange,
     LinkCost,
     SeamCostInput,
     StageCost,

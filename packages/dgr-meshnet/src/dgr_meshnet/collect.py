@@ -9,9 +9,10 @@ from typing import Any
 
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
+from dgr_artifacts.ranges import LayerRange
 from dgr_route.security import PLAIN, Security
 
-from dgr_meshnet.inputs import CompatibilityDescriptor, LayerRange, RangeCapacityReport
+from dgr_meshnet.inputs import CompatibilityDescriptor, RangeCapacityReport
 
 
 def _ask(address: str, security: Security, timeout: float) -> tuple[Any, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from dgr_artifacts.ranges import LayerRange
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INPUT_VERSION: Literal["1.0"] = "1.0"
@@ -69,19 +70,6 @@ def require_compatible(a: CompatibilityDescriptor, b: CompatibilityDescriptor) -
     fields = mismatched_fields(a, b)
     if fields:
         raise IncompatibleError(fields, a, b)
-
-
-class LayerRange(_Strict):
-    """Main layers [first, last) of the model."""
-
-    first: int = Field(ge=0)
-    last: int = Field(ge=1)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> LayerRange:
-        if self.first >= self.last:
-            raise ValueError(f"first {self.first} must be below last {self.last}")
-        return self
 
 
 class RangeCapacityReport(_Input):

@@ -294,6 +294,7 @@ def render_benchmarks(paths: RepoPaths, plots: Path) -> str:
         else:
             rows = [(k, v) for k, v in flatten_metrics(data) if not isinstance(v, list)]
             lines += ["| field | value |", "|---|---|"] + [f"| `{k}` | {v} |" for k, v in rows]
+            lines += _plan_tables(data.get("scenarios", []))
             for stage in data.get("stages", []):
                 if stage is data["stages"][0]:
                     lines += [
@@ -309,6 +310,41 @@ def render_benchmarks(paths: RepoPaths, plots: Path) -> str:
                 )
             lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _plan_tables(scenarios: list[dict[str, Any]]) -> list[str]:
+    """bench-plan: each generated scenario's nodes, the plan, and prediction against measurement."""
+    lines: list[str] = []
+    for sc in scenarios:
+        nodes = ", ".join(
+            f"{n['name']} ({n['threads']} thr, {n['memory_mib']:g} MiB, link {n['link_ms']} ms)"
+            for n in sc["nodes"]
+        )
+        even = (
+            f"even split measured {sc['even_measured_tps']:.1f} tok/s"
+            if sc["even_split_fits"]
+            else "even split does not fit"
+        )
+        lines += [
+            "",
+            f"### Scenario seed {sc['seed']}",
+            "",
+            f"Nodes: {nodes}.",
+            "",
+            "| node | layers | estimate MiB | RSS MiB | compute ms | next hop ms |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {p['node']} | {p['layers'][0]}:{p['layers'][1]} | {p['estimate_mib']} | "
+            f"{p['rss_mib']} | {p['compute_ms']} | {p['hop_ms']} |"
+            for p in sc["plan"]
+        ]
+        lines += [
+            "",
+            f"Predicted {sc['predicted_tps']:.1f} tok/s, measured {sc['measured_tps']:.1f} "
+            f"({sc['relative_error']:.1%} off); {even}.",
+        ]
+    return lines
 
 
 def _soak_plot(samples: list[dict[str, Any]], warmup_s: float, out: Path) -> None:

@@ -1,0 +1,1 @@
+"""Recipes and placement: which node serves which layers, validated against the artifacts."""
