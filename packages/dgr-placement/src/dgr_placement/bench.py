@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from dgr_placement import planner
-from dgr_placement.nodes import Links, Node, NodesFile
+from dgr_placement.nodes import Compute, Links, Node, NodesFile
 from dgr_placement.profile import ModelProfile, WorkerOptions, probe, profile_model
 
 PROMPT = [1000 + (i * 7) % 5000 for i in range(48)]
@@ -145,10 +145,13 @@ def measure(
             w.stop()
 
 
-def run_scenario(model: Path, profile: ModelProfile, seed: int, n_nodes: int) -> dict[str, Any]:
+def run_scenario(
+    model: Path, profile: ModelProfile, seed: int, n_nodes: int, probes: dict[int, Compute]
+) -> dict[str, Any]:
+    """`probes`: each thread count's compute, probed once for the run (as a node is probed once
+    and its line kept in nodes.yaml), filled in as thread counts appear."""
     nominal = loopback_nodes(seed, profile, n_nodes)
     nodes = measured_links(model, nominal)
-    probes: dict[int, Any] = {}
     for node in nodes.nodes:
         if node.threads not in probes:
             probes[node.threads] = probe(model, node.threads)
@@ -225,9 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     model = model_path(args.model)
     profile = profile_model(model, build_manifest(model), OPTIONS)
     rows = []
+    probes: dict[int, Compute] = {}
     for spec in args.scenarios:
         seed, n_nodes = (int(x) for x in spec.split(":"))
-        row = run_scenario(model, profile, seed, n_nodes)
+        row = run_scenario(model, profile, seed, n_nodes, probes)
         rows.append(row)
         plan = ", ".join(f"{p['node']} {p['layers'][0]}:{p['layers'][1]}" for p in row["plan"])
         even = (
@@ -249,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "options": OPTIONS.model_dump(),
         "tolerance": TOLERANCE,
+        "probes": {str(t): c.model_dump() for t, c in sorted(probes.items())},
         "scenarios": rows,
         "worst_relative_error": worst,
         "median_relative_error": round(statistics.median(r["relative_error"] for r in rows), 4),

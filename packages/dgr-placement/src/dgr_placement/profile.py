@@ -14,6 +14,7 @@ Layers are weighted by their weight bytes (decode reads every weight once per to
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -182,10 +183,19 @@ def probe(model: Path, threads: int, prompt: int = 32, decode: int = 24) -> Comp
     return compute.model_copy(update={"stage_ms": probe_stage(model, threads, compute)})
 
 
-def probe_stage(model: Path, threads: int, compute: Compute, decode: int = 24) -> float:
-    """What a stage costs per token beyond its layers: a 2-stage route of real workers on
-    loopback (forward mode) against the engines' times for the same ranges and two loopback
-    hops (half a gRPC Health round trip each), split over the two stages."""
+def probe_stage(
+    model: Path,
+    threads: int,
+    compute: Compute,
+    decode: int = 64,
+    rounds: int = 5,
+    stages: int = 2,
+) -> float:
+    """What a stage costs per token beyond its layers: a route of `stages` real workers on
+    loopback (forward mode) against the engines' times for the same layers and one loopback hop
+    per stage (half a gRPC Health round trip each: the seams and the token back to the head),
+    split over the stages. It includes what the other workers' idle threads take from the one
+    computing, as a route of several stages on shared cores has it."""
     import grpc
     from dgr.v1 import shard_pb2 as pb
     from dgr.v1 import shard_pb2_grpc as pb_grpc
@@ -193,11 +203,11 @@ def probe_stage(model: Path, threads: int, compute: Compute, decode: int = 24) -
     from dgr_route.workers import descriptor_args, start_worker
 
     n = int(_describe(model)["n_layer"])
-    half = n // 2
+    cuts = [round(k * n / stages) for k in range(stages + 1)]
     descriptor = descriptor_args(model)
     workers = [
         start_worker(model, a, b, threads=threads, n_ctx=128, max_sessions=1, descriptor=descriptor)
-        for a, b in ((0, half), (half, n))
+        for a, b in itertools.pairwise(cuts)
     ]
     try:
         addresses = [w.address for w in workers]
@@ -209,14 +219,14 @@ def probe_stage(model: Path, threads: int, compute: Compute, decode: int = 24) -
                 stub.Health(pb.HealthRequest(), timeout=10)
                 rtts.append(time.perf_counter() - t0)
         prompt = [1000 + i for i in range(32)]
-        rate = time_route(addresses, prompt, decode, 3, "forward", peers=addresses)
+        rate = time_route(addresses, prompt, decode, rounds, "forward", peers=addresses)
     finally:
         for w in workers:
             w.stop()
     token_ms = 1000 / rate["decode"]
     layers_ms = compute.ms_per_layer * n + compute.head_ms + compute.tail_ms
-    hops_ms = 2 * statistics.median(rtts) * 1000 / 2
-    return round(max(0.0, (token_ms - layers_ms - hops_ms) / 2), 4)
+    hops_ms = stages * statistics.median(rtts) * 1000 / 2
+    return round(max(0.0, (token_ms - layers_ms - hops_ms) / stages), 4)
 
 
 def _describe(model: Path) -> Any:
@@ -225,7 +235,7 @@ def _describe(model: Path) -> Any:
     return load().Engine(str(model), 0, 1, estimate_only=True).describe()
 
 
-def probe_engines(model: Path, threads: int, prompt: int = 32, decode: int = 24) -> Compute:
+def probe_engines(model: Path, threads: int, prompt: int = 32, decode: int = 48) -> Compute:
     """Time per decode token of a mean layer, the embedding and the output at `threads`: a head
     (0,1), a middle (1,L-1) and a tail (L-1,L) engine, one alive at a time (an idle engine's
     spinning threads would take the cores from the one timed), each fed what the previous one
