@@ -6,8 +6,9 @@ link matrix's column j). Each node's compute is probed at its threads on this ma
 planner places the real model; the planned route is started (real workers, forward mode,
 through the links) and its decode tok/s measured, as is an even split over all the nodes in the
 listed order. Checked: the planned route's measured tok/s is within 20% of the prediction; it
-beats the even split (or the even split does not fit); every worker's RSS after a generation is
-within the memory its node declared. Writes evidence/bench/bench-plan.json.
+beats the even split (or the even split does not fit); every worker's RSS after a generation, as
+its own metrics report it (/metrics.json, the tracker's view), is within its node's memory.
+Writes evidence/bench/bench-plan.json.
 """
 
 from __future__ import annotations
@@ -97,11 +98,21 @@ def even_split(problem: planner.Problem) -> list[tuple[int, int, int]]:
     return [(i, cuts[i], cuts[i + 1]) for i in range(size)]
 
 
-def rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) * 1024
-    return 0
+def scrape(worker: Any) -> dict[str, Any]:
+    """What the worker's /metrics.json told the tracker after the generations: its measured
+    RSS, the tokens and forwards it computed and its mean forward time."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{worker.metrics_url}/metrics.json", timeout=10) as reply:
+        m = json.loads(reply.read())
+    latency = m["dgr:forward_latency_seconds"]
+    return {
+        "rss_bytes": int(m["process_resident_memory_bytes"]),
+        "prompt_tokens": m["dgr:prompt_tokens_total"],
+        "generation_tokens": m["dgr:generation_tokens_total"],
+        "forwards": m["dgr:forwards_total"],
+        "mean_forward_ms": round(1000 * latency["sum"] / max(1, latency["count"]), 3),
+    }
 
 
 def measure(
@@ -127,6 +138,7 @@ def measure(
                     n_batch=OPTIONS.n_batch,
                     max_sessions=OPTIONS.max_sessions,
                     descriptor=descriptor,
+                    extra=["--metrics-listen", "127.0.0.1:0"],
                 )
             )
             # a message into this node waits the delay of the link in front of it
@@ -134,10 +146,7 @@ def measure(
             links.append(start_link(workers[-1].address, delay))
         addresses = [link.address for link in links]
         rate = time_route(addresses, PROMPT, DECODE_TOKENS, ROUNDS, "forward", peers=addresses)
-        return {
-            "decode_tps": round(rate["decode"], 3),
-            "rss_bytes": [rss(w.proc.pid) for w in workers],
-        }
+        return {"decode_tps": round(rate["decode"], 3), "metrics": [scrape(w) for w in workers]}
     finally:
         for link in links:
             link.stop()
@@ -162,8 +171,8 @@ def run_scenario(
     planned = measure(model, nodes, nominal, stages)
     error = abs(planned["decode_tps"] - best.tok_s) / best.tok_s
     fits = [
-        r <= nodes.nodes[node].memory_bytes
-        for r, (node, _, _) in zip(planned["rss_bytes"], stages, strict=True)
+        m["rss_bytes"] <= nodes.nodes[node].memory_bytes
+        for m, (node, _, _) in zip(planned["metrics"], stages, strict=True)
     ]
     even = even_split(problem)
     even_latency, _ = problem.evaluate(even)
@@ -185,11 +194,12 @@ def run_scenario(
                 "node": nodes.nodes[s.node].name,
                 "layers": [s.first, s.last],
                 "estimate_mib": round(s.memory_bytes / MIB, 1),
-                "rss_mib": round(r / MIB, 1),
+                "rss_mib": round(m["rss_bytes"] / MIB, 1),
                 "compute_ms": round(s.compute_ms, 3),
                 "hop_ms": round(s.hop_ms, 3),
+                "metrics": m,
             }
-            for s, r in zip(best.stages, planned["rss_bytes"], strict=True)
+            for s, m in zip(best.stages, planned["metrics"], strict=True)
         ],
         "predicted_tps": round(best.tok_s, 3),
         "measured_tps": planned["decode_tps"],

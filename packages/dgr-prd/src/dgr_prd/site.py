@@ -331,12 +331,15 @@ def _plan_tables(scenarios: list[dict[str, Any]]) -> list[str]:
             "",
             f"Nodes: {nodes}.",
             "",
-            "| node | layers | estimate MiB | RSS MiB | compute ms | next hop ms |",
-            "|---|---|---|---|---|---|",
+            "| node | layers | estimate MiB | RSS MiB | compute ms | next hop ms | forwards "
+            "| mean forward ms |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         lines += [
             f"| {p['node']} | {p['layers'][0]}:{p['layers'][1]} | {p['estimate_mib']} | "
-            f"{p['rss_mib']} | {p['compute_ms']} | {p['hop_ms']} |"
+            f"{p['rss_mib']} | {p['compute_ms']} | {p['hop_ms']} | "
+            f"{p.get('metrics', {}).get('forwards', '-')} | "
+            f"{p.get('metrics', {}).get('mean_forward_ms', '-')} |"
             for p in sc["plan"]
         ]
         lines += [
@@ -359,6 +362,32 @@ def _soak_plot(samples: list[dict[str, Any]], warmup_s: float, out: Path) -> Non
     )
 
 
+def render_lane_records(paths: RepoPaths) -> list[str]:
+    """certification/<lane>/*.json: the sealed records a worker's advertised lanes come from."""
+    records = sorted((paths.root / "certification").glob("*/*.json"))
+    lines = [
+        "## Certification records",
+        "",
+        "Sealed records of `nox -s certify -- --lane LANE` (`certification/`): a worker "
+        "advertises a lane only where an intact, passing record matches its exact descriptor "
+        "and hardware.",
+        "",
+        "| lane | model | layouts | largest logit difference | passed | commit | hardware | "
+        "record |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for path in records:
+        r = json.loads(path.read_text(encoding="utf-8"))
+        lines.append(
+            f"| {r['lane']} | {r['model']} | {r['layouts']} | {r['max_abs_logit_diff']} | "
+            f"{r['passed']} | `{r['commit'][:10]}` | `{r['hardware_sha256'][:12]}` | "
+            f"`{r['record_sha256'][:12]}` |"
+        )
+    if not records:
+        lines.append("| (none) | | | | | | | |")
+    return [*lines, ""]
+
+
 def render_certification(paths: RepoPaths, plots: Path) -> str:
     """evidence/chaos, evidence/soak and evidence/fuzz: the latest run of each, summarized."""
     lines = [
@@ -368,6 +397,7 @@ def render_certification(paths: RepoPaths, plots: Path) -> str:
         "`nox -s soak` (load over time) and `nox -s fuzz` (libFuzzer over the worker's "
         "decoders). Raw JSON: `evidence/chaos/`, `evidence/soak/`, `evidence/fuzz/`.",
         "",
+        *render_lane_records(paths),
     ]
     chaos = paths.evidence / "chaos" / "chaos.json"
     if chaos.is_file():
