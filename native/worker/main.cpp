@@ -11,7 +11,9 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <csignal>
 #include <malloc.h>
@@ -64,6 +66,16 @@ int to_int(const std::string & option, const std::string & value, int lo, int hi
     return (int) v;
 }
 
+// NAME@HEX as dgr_artifacts.recipe.Recipe.id makes it: at most 128 characters of [A-Za-z0-9._@-]
+std::string recipe_id(const std::string & value) {
+    const bool ok = !value.empty() && value.size() <= 128 &&
+                    std::all_of(value.begin(), value.end(), [](unsigned char c) {
+                        return std::isalnum(c) || c == '.' || c == '_' || c == '@' || c == '-';
+                    });
+    if (!ok) throw std::invalid_argument("--recipe-id: " + value + " is not 1-128 characters of [A-Za-z0-9._@-]");
+    return value;
+}
+
 void parse_args(int argc, char ** argv, Args & a) {
     for (int i = 1; i < argc; ++i) {
         const std::string k = argv[i];
@@ -89,6 +101,7 @@ void parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--max-batch") a.service.max_batch = to_int(k, val(), 1, 4096);
         else if (k == "--keepalive-ms") a.keepalive_ms = to_int(k, val(), 200, 3600 * 1000);
         else if (k == "--model-fingerprint") a.service.fingerprint = val();
+        else if (k == "--recipe-id") a.service.recipe = recipe_id(val());
         else if (k == "--drain-seconds") a.drain_seconds = to_int(k, val(), 0, 3600);
         else if (k == "--poll") a.poll = to_int(k, val(), 0, 100);
         else if (k == "--prio") a.prio = to_int(k, val(), 0, 3);
@@ -158,7 +171,7 @@ int main(int argc, char ** argv) {
         std::cerr << "dgr-shard-worker: " << e.what() << "\n"
                   << "usage: dgr-shard-worker --model PATH --layers FIRST:LAST [--listen HOST:PORT] [--threads N]\n"
                      "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--max-batch N]\n"
-                     "  [--model-fingerprint HEX] [--drain-seconds N] [--version]\n"
+                     "  [--model-fingerprint HEX] [--recipe-id ID] [--drain-seconds N] [--version]\n"
                      "  [--poll 0-100] [--prio 0-3] [--no-warmup] [--compute-slots DIR|auto|none] [--mtp] [--auth-token-file F]\n"
                      "  [--metrics-listen HOST:PORT]\n"
                      "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F] [--keepalive-ms N]\n";

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import yaml
 from dgr_artifacts.manifest import build_manifest
+from dgr_artifacts.recipe import Recipe
 from dgr_artifacts.subset import range_subset
 from dgr_placement import planner
 from dgr_placement.nodes import Compute, Links, Node, NodesFile
 from dgr_placement.profile import ModelProfile, WorkerOptions, profile_model
-from dgr_placement.recipe import Recipe
 from dgr_placement.scenarios import scenario
 from pydantic import ValidationError
 
@@ -270,7 +270,7 @@ def test_dgr_plan_prints_the_plan_and_writes_a_recipe(smollm2: Path, tmp_path: P
     # the head, and the node 40 ms away is left out
     assert "--route 10.0.0.2:7001,10.0.0.1:7001\n" in out
     assert "unused: far" in out
-    assert f"dgr worker --model {smollm2} --layers 0:" in out
+    assert f"dgr worker --model {smollm2} --recipe {recipe_path} --node small --listen" in out
     recipe = Recipe.model_validate_json(recipe_path.read_text())
     recipe.check(build_manifest(smollm2))
     assert [s.node for s in recipe.stages] == ["small", "big"]

@@ -5,13 +5,16 @@ name."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from dgr_artifacts.manifest import ArtifactManifest, build_manifest
 from dgr_artifacts.models import model_path
-from dgr_placement.recipe import (
+from dgr_artifacts.recipe import (
     LayerCoverage,
     Recipe,
     TensorTypeMismatch,
@@ -20,7 +23,10 @@ from dgr_placement.recipe import (
     WrongModel,
     load_recipe,
     main_quantization,
+    write_recipe,
 )
+from dgr_meshnet.collect import descriptor
+from dgr_route.route import Route, RouteError
 from pydantic import ValidationError
 
 
@@ -174,3 +180,110 @@ def test_a_recipe_file_is_read_and_checked(
     path.write_text(json.dumps({**body, "stages": "0:30"}))
     with pytest.raises(ValidationError, match="stages"):
         load_recipe(path)
+
+
+def start_dgr_worker(*args: str) -> tuple[subprocess.Popen[str], str]:
+    """`dgr worker ... --listen 127.0.0.1:0` as a user runs it; (process, address) once ready."""
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "dgr"), "worker", *args, "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("DGR-WORKER-READY port="):
+            return proc, f"127.0.0.1:{int(line.split('=', 1)[1])}"
+    proc.wait()
+    raise AssertionError(f"worker exited {proc.returncode}: {''.join(lines[-10:])}")
+
+
+def test_a_worker_serves_its_node_of_a_recipe(
+    smollm2: Path, smollm2_manifest: ArtifactManifest, tmp_path: Path
+) -> None:
+    recipe = Recipe(**fields(smollm2_manifest))
+    path = tmp_path / "recipe.json"
+    write_recipe(recipe, path)
+    common = ["--model", str(smollm2), "--n-ctx", "64", "--max-sessions", "1", "--threads", "1"]
+    started = [start_dgr_worker(*common, "--recipe", str(path), "--node", n) for n in "abc"]
+    plain = None
+    try:
+        addresses = [address for _, address in started]
+        assert all(descriptor(address).recipe == recipe.id for address in addresses)
+        route = Route.open(addresses)
+        assert [tuple(s.layers) for s in route.stages] == [
+            (s.layers.first, s.layers.last) for s in recipe.stages
+        ]
+        assert len(list(route.generate([1000, 1001, 1002], 3))) == 3
+        route.close()
+        # a worker without the recipe may not join a route of workers serving it
+        plain, plain_address = start_dgr_worker(*common, "--layers", "20:30")
+        with pytest.raises(RouteError, match=r"incompatible descriptor field recipe: ''"):
+            Route.open([*addresses[:2], plain_address])
+    finally:
+        for proc in [p for p, _ in started] + ([plain] if plain else []):
+            proc.terminate()
+            proc.wait(20)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--node", "z"], r"node 'z': is not in the recipe"),
+        (["--node", "a", "--layers", "0:5"], r"--layers 0:5 is not node a's 0:10"),
+        ([], "--recipe needs --node"),
+        (["--node", "a", "--other-model"], "model_fingerprint"),
+    ],
+)
+def test_a_worker_refuses_a_recipe_that_does_not_fit(
+    smollm2: Path,
+    smollm2_manifest: ArtifactManifest,
+    tmp_path: Path,
+    extra: list[str],
+    message: str,
+) -> None:
+    path = tmp_path / "recipe.json"
+    write_recipe(Recipe(**fields(smollm2_manifest)), path)
+    model = str(smollm2)
+    if "--other-model" in extra:
+        extra = [e for e in extra if e != "--other-model"]
+        model = str(model_path("gemma3-270m-q4_k_m"))
+    out = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "dgr"),
+            "worker",
+            "--model",
+            model,
+            "--recipe",
+            str(path),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert re.search(message, out.stderr), out.stderr
+
+
+def test_the_worker_binary_validates_the_recipe_id(smollm2: Path) -> None:
+    from dgr_native.build import worker_binary
+
+    out = subprocess.run(
+        [
+            str(worker_binary()),
+            "--model",
+            str(smollm2),
+            "--layers",
+            "0:30",
+            "--recipe-id",
+            "bad id\n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "--recipe-id: bad id" in out.stderr and "[A-Za-z0-9._@-]" in out.stderr

@@ -39,6 +39,7 @@ def descriptor_of(reply: Any) -> CompatibilityDescriptor:
         lane=c.lane,
         arch=c.arch,
         n_layer=c.n_layer,
+        recipe=c.recipe or None,
     )
 
 

@@ -45,7 +45,9 @@ class CompatibilityDescriptor(_Input):
     arch: str = Field(min_length=1, max_length=64, description="GGUF general.architecture")
     n_layer: int = Field(ge=1, description="main layers of the whole model")
     recipe: str | None = Field(
-        default=None, max_length=128, description="the recipe the worker serves (DGR-056); none yet"
+        default=None,
+        max_length=128,
+        description="id of the recipe the worker serves (DGR-056), if started with one",
     )
 
 

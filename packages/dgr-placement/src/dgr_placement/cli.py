@@ -65,7 +65,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"dgr plan: {exc}", file=sys.stderr)
         return 1
     if args.recipe_out:
-        from dgr_placement.recipe import write_recipe
+        from dgr_artifacts.recipe import write_recipe
 
         write_recipe(result["recipe"], args.recipe_out)
     if args.json:
@@ -78,10 +78,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def make_plan(model: Path, nodes: Any, args: argparse.Namespace) -> dict[str, Any]:
     from dgr_artifacts.manifest import build_manifest
     from dgr_artifacts.ranges import LayerRange
+    from dgr_artifacts.recipe import Recipe, StagePlacement, main_quantization
 
     from dgr_placement import planner
     from dgr_placement.profile import WorkerOptions, probe, profile_model
-    from dgr_placement.recipe import Recipe, StagePlacement, main_quantization
 
     manifest = build_manifest(model)
     options = WorkerOptions(n_ctx=args.n_ctx, max_sessions=args.max_sessions)
@@ -107,6 +107,7 @@ def make_plan(model: Path, nodes: Any, args: argparse.Namespace) -> dict[str, An
     return {
         "model": model,
         "model_arg": args.model,
+        "recipe_out": args.recipe_out,
         "nodes": nodes,
         "computes": computes,
         "plan": plan,
@@ -118,12 +119,18 @@ def make_plan(model: Path, nodes: Any, args: argparse.Namespace) -> dict[str, An
 
 
 def worker_command(result: dict[str, Any], stage: Any) -> str:
+    """With a recipe written, the worker takes its range from it (and checks it first)."""
     node = result["nodes"].nodes[stage.node]
     o = result["options"]
+    recipe = result.get("recipe_out")
+    where = (
+        f"--recipe {recipe} --node {node.name}"
+        if recipe
+        else f"--layers {stage.first}:{stage.last}"
+    )
     return (
-        f"dgr worker --model {result['model_arg']} --layers {stage.first}:{stage.last} "
-        f"--listen {node.listen} --threads {node.threads} --n-ctx {o.n_ctx} "
-        f"--max-sessions {o.max_sessions}"
+        f"dgr worker --model {result['model_arg']} {where} --listen {node.listen} "
+        f"--threads {node.threads} --n-ctx {o.n_ctx} --max-sessions {o.max_sessions}"
     )
 
 

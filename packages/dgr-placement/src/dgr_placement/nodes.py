@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Annotated
 
 import yaml
+from dgr_artifacts.recipe import Name
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
-
-from dgr_placement.recipe import Name
 
 Listen = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._\[\]:-]{1,255}:[0-9]{1,5}$")]
 
@@ -99,3 +98,7 @@ class NodesFile(_Strict):
 
 def load_nodes(path: Path) -> NodesFile:
     return NodesFile.model_validate(yaml.safe_load(path.read_text(encoding="utf-8")))
+
+
+def schema_models() -> dict[str, type[BaseModel]]:
+    return {"placement-nodes.schema.json": NodesFile}

@@ -46,18 +46,44 @@ def model_arg(value: str) -> Path:
     return model_path(value) if value in model_names() else Path(value)
 
 
+def recipe_layers(args: argparse.Namespace, model: Path) -> tuple[str, list[str]]:
+    """(--layers, the worker's recipe arguments): with --recipe and --node, the node's range from
+    a recipe checked against this model's manifest; else --layers as given."""
+    if args.recipe is None:
+        if args.layers is None:
+            raise ValueError("--layers FIRST:LAST is required (or --recipe FILE --node NAME)")
+        return args.layers, []
+    from dgr_artifacts.manifest import build_manifest
+    from dgr_artifacts.recipe import load_recipe
+
+    if args.node is None:
+        raise ValueError("--recipe needs --node NAME: which of its stages this worker serves")
+    recipe = load_recipe(args.recipe)
+    recipe.check(build_manifest(model))
+    layers = str(recipe.stage_of(args.node).layers)
+    if args.layers is not None and args.layers != layers:
+        raise ValueError(f"--layers {args.layers} is not node {args.node}'s {layers} in the recipe")
+    return layers, ["--recipe-id", recipe.id]
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from dgr_native.build import worker_binary
+    from pydantic import ValidationError
 
     from dgr_route.workers import descriptor_args
 
     model = model_arg(args.model)
+    try:
+        layers, recipe = recipe_layers(args, model)
+    except (ValueError, ValidationError, OSError) as exc:
+        print(f"dgr worker: {exc}", file=sys.stderr)
+        return 2
     cmd = [
         str(worker_binary()),
         "--model",
         str(model),
         "--layers",
-        args.layers,
+        layers,
         "--listen",
         args.listen,
         "--threads",
@@ -67,6 +93,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "--n-ctx",
         str(args.n_ctx),
         *descriptor_args(model),
+        *recipe,
         "--max-queue",
         str(args.max_queue),
         "--max-batch",
@@ -241,7 +268,9 @@ def register_serve(sub: Any) -> None:
 def register_worker(sub: Any) -> None:
     p = sub.add_parser("worker", help="serve one layer range of a model over gRPC")
     p.add_argument("--model", default="smollm2-135m-q4_1", help="GGUF path or registered name")
-    p.add_argument("--layers", required=True, help="FIRST:LAST (half-open)")
+    p.add_argument("--layers", help="FIRST:LAST (half-open); or --recipe and --node")
+    p.add_argument("--recipe", type=Path, help="a recipe (dgr plan --recipe-out), checked first")
+    p.add_argument("--node", help="which of the recipe's stages this worker serves")
     p.add_argument("--listen", default="127.0.0.1:0")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-sessions", type=int, default=4)

@@ -37,6 +37,7 @@ COMPAT_FIELDS = (
     "lane",
     "arch",
     "n_layer",
+    "recipe",
 )
 
 

@@ -31,7 +31,7 @@ class BoundarySpec(_message.Message):
     def __init__(self, hc: _Optional[int] = ..., n_embd: _Optional[int] = ..., needs_token_ids: _Optional[bool] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ...) -> None: ...
 
 class CompatibilityDescriptor(_message.Message):
-    __slots__ = ("model_fingerprint", "llama_cpp_commit", "patch_stack_sha256", "schema_version", "lane", "arch", "n_layer")
+    __slots__ = ("model_fingerprint", "llama_cpp_commit", "patch_stack_sha256", "schema_version", "lane", "arch", "n_layer", "recipe")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LLAMA_CPP_COMMIT_FIELD_NUMBER: _ClassVar[int]
     PATCH_STACK_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class CompatibilityDescriptor(_message.Message):
     LANE_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     N_LAYER_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     llama_cpp_commit: str
     patch_stack_sha256: str
@@ -46,7 +47,8 @@ class CompatibilityDescriptor(_message.Message):
     lane: str
     arch: str
     n_layer: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., llama_cpp_commit: _Optional[str] = ..., patch_stack_sha256: _Optional[str] = ..., schema_version: _Optional[int] = ..., lane: _Optional[str] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ...) -> None: ...
+    recipe: str
+    def __init__(self, model_fingerprint: _Optional[str] = ..., llama_cpp_commit: _Optional[str] = ..., patch_stack_sha256: _Optional[str] = ..., schema_version: _Optional[int] = ..., lane: _Optional[str] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., recipe: _Optional[str] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

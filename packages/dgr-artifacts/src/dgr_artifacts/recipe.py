@@ -16,9 +16,10 @@ import json
 from pathlib import Path
 from typing import Annotated, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
 from dgr_artifacts.manifest import ArtifactManifest
 from dgr_artifacts.ranges import LayerRange
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 RECIPE_VERSION: Literal["1.0"] = "1.0"
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
@@ -162,9 +163,7 @@ def write_recipe(recipe: Recipe, path: Path) -> None:
 
 
 def schema_models() -> dict[str, type[BaseModel]]:
-    from dgr_placement.nodes import NodesFile
-
-    return {"recipe.schema.json": Recipe, "placement-nodes.schema.json": NodesFile}
+    return {"recipe.schema.json": Recipe}
 
 
 def main_quantization(manifest: ArtifactManifest) -> str:
