@@ -9,7 +9,11 @@
 //
 // An input whose session id is odd gets its boundary's CRC-32 made right, so that mutated payloads
 // (NaN, infinities, any value) reach the engine instead of stopping at the checksum.
+//
+// The same bytes also go to the worker's TokenizerService (tokenizer.cpp) as a DetokenizeRequest,
+// a TokenizeRequest and a ChatTemplateRequest: ids outside the vocabulary, any text, any roles.
 #include "service.h"
+#include "tokenizer.h"
 #include "wire.h"
 
 #include "llama.h"
@@ -24,6 +28,25 @@
 namespace {
 
 std::vector<std::unique_ptr<dgr::worker::ShardService>> g_stages;
+std::unique_ptr<dgr::worker::TokenizerService> g_tokenizer;
+
+void tokenizer_requests(const uint8_t * data, size_t size) {
+    dgr::v1::DetokenizeRequest detok;
+    if (detok.ParseFromArray(data, (int) size)) {
+        dgr::v1::DetokenizeReply reply;
+        g_tokenizer->detokenize(detok, &reply);
+    }
+    dgr::v1::TokenizeRequest tok;
+    if (tok.ParseFromArray(data, (int) size)) {
+        dgr::v1::TokenizeReply reply;
+        g_tokenizer->tokenize(tok, &reply);
+    }
+    dgr::v1::ChatTemplateRequest chat;
+    if (chat.ParseFromArray(data, (int) size)) {
+        dgr::v1::ChatTemplateReply reply;
+        g_tokenizer->chat_template(chat, &reply);
+    }
+}
 
 void quiet(ggml_log_level, const char *, void *) {}
 
@@ -59,10 +82,13 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
         g_stages.push_back(
             std::make_unique<dgr::worker::ShardService>(dgr::ShardEngine::open(o), so, dgr::worker::PeerOptions{}));
     }
+    g_tokenizer = std::make_unique<dgr::worker::TokenizerService>(
+        g_stages.front()->engine(), [](grpc::ServerContext *) { return grpc::Status::OK; });
     return 0;
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
+    tokenizer_requests(data, size);
     dgr::v1::ForwardRequest req;
     if (!req.ParseFromArray(data, (int) size)) return -1;  // not a message: keep it out of the corpus
     if (req.has_boundary() && (req.session_id() & 1)) {

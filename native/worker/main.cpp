@@ -7,6 +7,7 @@
 // --drain-seconds), then the process exits 0.
 #include "dgr/shard_engine.h"
 #include "service.h"
+#include "tokenizer.h"
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -260,6 +261,9 @@ int main(int argc, char ** argv) {
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
     builder.RegisterService(&service);
+    dgr::worker::TokenizerService tokenizer(service.engine(),
+                                            [&service](grpc::ServerContext * ctx) { return service.authorize(ctx); });
+    builder.RegisterService(&tokenizer);
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     if (!server || port == 0) {
         std::cerr << "dgr-shard-worker: cannot listen on " << args.listen << "\n";

@@ -63,9 +63,13 @@ public:
     // counters and histograms (served at --metrics-listen by main)
     Metrics & metrics() { return metrics_; }
 
+    // the engine, read-only (its vocabulary serves the TokenizerService of the same worker)
+    const dgr::ShardEngine & engine() const { return *engine_; }
+    // the bearer token check every call of this worker passes (counted as an error when refused)
+    grpc::Status authorize(grpc::ServerContext * ctx) const;
+
 private:
     using Stream = grpc::ServerReaderWriter<dgr::v1::ForwardReply, dgr::v1::ForwardRequest>;
-    grpc::Status authorize(grpc::ServerContext * ctx) const;
     grpc::Status compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply);
     grpc::Status relay(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
     grpc::Status forward_stage(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);

@@ -38,7 +38,7 @@ def fleet(smollm2: Path, descriptor: list[str]) -> Iterator[list[WorkerProcess]]
 def test_concurrent_sessions_each_give_their_own_output(
     engine_module: object, smollm2: Path, fleet: list[WorkerProcess]
 ) -> None:
-    from dgr_route.cli import Tokenizer
+    from dgr_route.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(smollm2)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
@@ -127,7 +127,7 @@ def test_batched_sessions_equal_their_solo_logits(
     import numpy as np
     from dgr.v1 import shard_pb2 as pb
     from dgr.v1 import shard_pb2_grpc as pb_grpc
-    from dgr_route.cli import Tokenizer
+    from dgr_route.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(smollm2)
     prompts = [tokenizer.encode(p) for p in PROMPTS]

@@ -191,3 +191,18 @@ def test_secrets_come_in_pairs_and_from_files(pki: Path, tmp_path: Path) -> None
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="holds no token"):
         Security.from_files(token_file=tmp_path / "empty")
+
+
+def test_the_tokenizer_service_needs_the_token_too(
+    secured: dict[str, WorkerProcess], pki: Path
+) -> None:
+    from dgr_route.tokenizer import RemoteTokenizer, TokenizerError
+
+    worker = secured["token"]
+    for security in (Security(), Security.from_files(token_file=pki / "wrong-token")):
+        with pytest.raises(TokenizerError) as info:
+            RemoteTokenizer(security.channel(worker.address), worker.address, security.metadata)
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    good = Security.from_files(token_file=pki / "token")
+    remote = RemoteTokenizer(good.channel(worker.address), worker.address, good.metadata)
+    assert remote.detokenize(remote.encode("Hello")).endswith(b"Hello")

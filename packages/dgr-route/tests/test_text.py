@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dgr_route.cli import Tokenizer
 from dgr_route.text import Detokenizer, StopMatcher, stop_list
+from dgr_route.tokenizer import Tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -13,8 +13,9 @@ import argparse
 import sys
 from typing import Any
 
-from dgr_route.cli import Tokenizer, add_route_options, model_arg, open_route, stream_text
+from dgr_route.cli import add_route_options, open_route, route_tokenizer, stream_text
 from dgr_route.route import RouteError, Sampling
+from dgr_route.tokenizer import TokenizerLike
 
 PROMPT = "> "
 
@@ -22,7 +23,7 @@ PROMPT = "> "
 class Conversation:
     """The messages so far, and the prompt that fits the route's context."""
 
-    def __init__(self, tokenizer: Tokenizer, n_ctx: int, system: str | None) -> None:
+    def __init__(self, tokenizer: TokenizerLike, n_ctx: int, system: str | None) -> None:
         self.tokenizer, self.n_ctx = tokenizer, n_ctx
         self.system = [("system", system)] if system else []
         self.turns: list[tuple[str, str]] = []
@@ -40,9 +41,11 @@ class Conversation:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    tokenizer = Tokenizer(model_arg(args.model))
     route = open_route(args)
     if route is None:
+        return 1
+    tokenizer = route_tokenizer(args, route)
+    if tokenizer is None:
         return 1
     n_ctx = min(s.describe.n_ctx for s in route.stages)
     conversation = Conversation(tokenizer, n_ctx, args.system)
@@ -106,7 +109,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser("chat", help="interactive chat over a route, in the model's template")
     add_route_options(p)
-    p.add_argument("--model", default="smollm2-135m-q4_1", help="for the tokenizer and template")
+    p.add_argument(
+        "--model", help="a local GGUF for the tokenizer and template (default: the head worker's)"
+    )
     p.add_argument("--system", help="a system message opening the conversation")
     p.add_argument("--max-tokens", type=int, default=512, help="the longest reply")
     p.add_argument("--temperature", type=float, default=0.0)

@@ -6,7 +6,6 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -14,30 +13,7 @@ from typing import Any, TextIO
 from dgr_route.route import Route, RouteError, Sampling
 from dgr_route.security import Security
 from dgr_route.text import Detokenizer
-
-
-class Tokenizer:
-    """The model's own tokenizer, from a local copy of the GGUF: a vocabulary-only load (llama.cpp's
-    `vocab_only`: metadata and vocabulary, no weights)."""
-
-    def __init__(self, model: Path) -> None:
-        from dgr_native import load
-
-        self.vocab = load().Vocabulary(str(model))
-        # end-of-generation ids go to the route as its stop ids: the head stops decoding itself
-        self.eog_ids = frozenset(t for t in range(self.vocab.n_vocab) if self.vocab.is_eog(t))
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.vocab.tokenize(text, True))
-
-    def detokenize(self, tokens: list[int]) -> bytes:
-        return bytes(self.vocab.detokenize(tokens))
-
-    def is_eog(self, token: int) -> bool:
-        return token in self.eog_ids
-
-    def chat(self, messages: Sequence[tuple[str, str]]) -> str:
-        return str(self.vocab.apply_chat_template(messages, True))
+from dgr_route.tokenizer import TokenizerError, TokenizerLike, tokenizer_for
 
 
 def model_arg(value: str) -> Path:
@@ -116,10 +92,23 @@ def cmd_worker(args: argparse.Namespace) -> int:
     os.execv(cmd[0], cmd)  # the worker replaces this process: signals reach it directly
 
 
+def route_tokenizer(args: argparse.Namespace, route: Route) -> TokenizerLike | None:
+    """--model's local vocabulary, else the head worker's tokenizer over the wire (None after
+    printing why it cannot be had)."""
+    try:
+        return tokenizer_for(args.model and model_arg(args.model), route)
+    except TokenizerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        route.close()
+        return None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    tokenizer = Tokenizer(model_arg(args.model))
     route = open_route(args)
     if route is None:
+        return 1
+    tokenizer = route_tokenizer(args, route)
+    if tokenizer is None:
         return 1
     prompt = tokenizer.encode(args.prompt)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
@@ -149,7 +138,7 @@ class Streamed:
 
 def stream_text(
     route: Route,
-    tokenizer: Tokenizer,
+    tokenizer: TokenizerLike,
     prompt: list[int],
     max_tokens: int,
     sampling: Sampling,
@@ -191,14 +180,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from dgr_route.openai_server import create_app
 
-    model = model_arg(args.model)
     route = open_route(args)
     if route is None:
         return 1
+    tokenizer = route_tokenizer(args, route)
+    if tokenizer is None:
+        return 1
+    c = route.stages[0].describe.compatibility
     app = create_app(
         route,
-        Tokenizer(model),
-        args.model_name or model.stem,
+        tokenizer,
+        args.model_name
+        or (model_arg(args.model).stem if args.model else f"{c.arch}-{c.model_fingerprint[:12]}"),
         max_active=args.max_active,
         max_queue=args.max_queue,
     )
@@ -250,7 +243,9 @@ def add_route_options(p: argparse.ArgumentParser) -> None:
 def register_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP API over a route")
     add_route_options(p)
-    p.add_argument("--model", default="smollm2-135m-q4_1", help="for the tokenizer and template")
+    p.add_argument(
+        "--model", help="a local GGUF for the tokenizer and template (default: the head worker's)"
+    )
     p.add_argument("--model-name", help="the id /v1/models reports")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -314,7 +309,7 @@ def register_generate(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate through a route of running workers")
     p.add_argument("prompt")
     add_route_options(p)
-    p.add_argument("--model", default="smollm2-135m-q4_1", help="for the tokenizer")
+    p.add_argument("--model", help="a local GGUF for the tokenizer (default: the head worker's)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)

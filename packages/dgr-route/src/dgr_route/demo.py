@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from dgr_route.cli import Tokenizer
 from dgr_route.route import Route
 from dgr_route.text import Detokenizer
+from dgr_route.tokenizer import Tokenizer
 from dgr_route.workers import descriptor_args, start_worker
 
 

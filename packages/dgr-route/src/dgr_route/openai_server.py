@@ -27,9 +27,9 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import grpc
 import numpy as np
@@ -43,20 +43,10 @@ from starlette.exceptions import HTTPException
 from dgr_route.codec import decode_logits
 from dgr_route.route import Route, RouteError, Sampling
 from dgr_route.text import Detokenizer, StopMatcher, stop_list
+from dgr_route.tokenizer import TokenizerLike
 
 RETRY_AFTER_S = 1
 MAX_TOP_LOGPROBS = 20
-
-
-class TextTokenizer(Protocol):
-    """What the server needs of the model's tokenizer (dgr_route.cli.Tokenizer)."""
-
-    eog_ids: frozenset[int]
-
-    def encode(self, text: str) -> list[int]: ...
-    def detokenize(self, tokens: list[int]) -> bytes: ...
-    def is_eog(self, token: int) -> bool: ...
-    def chat(self, messages: Sequence[tuple[str, str]]) -> str: ...
 
 
 class OpenAIError(Exception):
@@ -290,7 +280,7 @@ class Admission:
 
 def create_app(
     route: Route,
-    tokenizer: TextTokenizer,
+    tokenizer: TokenizerLike,
     model_name: str,
     max_active: int | None = None,
     max_queue: int = 16,

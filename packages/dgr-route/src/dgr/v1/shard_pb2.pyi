@@ -237,3 +237,63 @@ class HealthReply(_message.Message):
     queue_depth: int
     widest_batch: int
     def __init__(self, ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., sessions: _Optional[int] = ..., capacity: _Optional[int] = ..., queue_depth: _Optional[int] = ..., widest_batch: _Optional[int] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("text", "add_special")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    text: bytes
+    add_special: bool
+    def __init__(self, text: _Optional[bytes] = ..., add_special: _Optional[bool] = ...) -> None: ...
+
+class TokenizeReply(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeReply(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: bytes
+    def __init__(self, text: _Optional[bytes] = ...) -> None: ...
+
+class VocabularyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VocabularyReply(_message.Message):
+    __slots__ = ("n_vocab", "eog")
+    N_VOCAB_FIELD_NUMBER: _ClassVar[int]
+    EOG_FIELD_NUMBER: _ClassVar[int]
+    n_vocab: int
+    eog: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, n_vocab: _Optional[int] = ..., eog: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: bytes
+    content: bytes
+    def __init__(self, role: _Optional[bytes] = ..., content: _Optional[bytes] = ...) -> None: ...
+
+class ChatTemplateRequest(_message.Message):
+    __slots__ = ("messages", "add_assistant")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_ASSISTANT_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    add_assistant: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_assistant: _Optional[bool] = ...) -> None: ...
+
+class ChatTemplateReply(_message.Message):
+    __slots__ = ("prompt",)
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    prompt: bytes
+    def __init__(self, prompt: _Optional[bytes] = ...) -> None: ...

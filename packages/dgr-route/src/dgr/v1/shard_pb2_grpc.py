@@ -313,3 +313,204 @@ class ShardService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class TokenizerServiceStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Tokenize = channel.unary_unary(
+                '/dgr.v1.TokenizerService/Tokenize',
+                request_serializer=dgr_dot_v1_dot_shard__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=dgr_dot_v1_dot_shard__pb2.TokenizeReply.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/dgr.v1.TokenizerService/Detokenize',
+                request_serializer=dgr_dot_v1_dot_shard__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=dgr_dot_v1_dot_shard__pb2.DetokenizeReply.FromString,
+                _registered_method=True)
+        self.Vocabulary = channel.unary_unary(
+                '/dgr.v1.TokenizerService/Vocabulary',
+                request_serializer=dgr_dot_v1_dot_shard__pb2.VocabularyRequest.SerializeToString,
+                response_deserializer=dgr_dot_v1_dot_shard__pb2.VocabularyReply.FromString,
+                _registered_method=True)
+        self.ApplyChatTemplate = channel.unary_unary(
+                '/dgr.v1.TokenizerService/ApplyChatTemplate',
+                request_serializer=dgr_dot_v1_dot_shard__pb2.ChatTemplateRequest.SerializeToString,
+                response_deserializer=dgr_dot_v1_dot_shard__pb2.ChatTemplateReply.FromString,
+                _registered_method=True)
+
+
+class TokenizerServiceServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Tokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Vocabulary(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ApplyChatTemplate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_TokenizerServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=dgr_dot_v1_dot_shard__pb2.TokenizeRequest.FromString,
+                    response_serializer=dgr_dot_v1_dot_shard__pb2.TokenizeReply.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=dgr_dot_v1_dot_shard__pb2.DetokenizeRequest.FromString,
+                    response_serializer=dgr_dot_v1_dot_shard__pb2.DetokenizeReply.SerializeToString,
+            ),
+            'Vocabulary': grpc.unary_unary_rpc_method_handler(
+                    servicer.Vocabulary,
+                    request_deserializer=dgr_dot_v1_dot_shard__pb2.VocabularyRequest.FromString,
+                    response_serializer=dgr_dot_v1_dot_shard__pb2.VocabularyReply.SerializeToString,
+            ),
+            'ApplyChatTemplate': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyChatTemplate,
+                    request_deserializer=dgr_dot_v1_dot_shard__pb2.ChatTemplateRequest.FromString,
+                    response_serializer=dgr_dot_v1_dot_shard__pb2.ChatTemplateReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dgr.v1.TokenizerService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dgr.v1.TokenizerService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class TokenizerService:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dgr.v1.TokenizerService/Tokenize',
+            dgr_dot_v1_dot_shard__pb2.TokenizeRequest.SerializeToString,
+            dgr_dot_v1_dot_shard__pb2.TokenizeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dgr.v1.TokenizerService/Detokenize',
+            dgr_dot_v1_dot_shard__pb2.DetokenizeRequest.SerializeToString,
+            dgr_dot_v1_dot_shard__pb2.DetokenizeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Vocabulary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dgr.v1.TokenizerService/Vocabulary',
+            dgr_dot_v1_dot_shard__pb2.VocabularyRequest.SerializeToString,
+            dgr_dot_v1_dot_shard__pb2.VocabularyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyChatTemplate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dgr.v1.TokenizerService/ApplyChatTemplate',
+            dgr_dot_v1_dot_shard__pb2.ChatTemplateRequest.SerializeToString,
+            dgr_dot_v1_dot_shard__pb2.ChatTemplateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
