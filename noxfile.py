@@ -126,19 +126,19 @@ def twins(session: nox.Session) -> None:
 @nox.session(name="bench-seam-bytes", python=False)
 def bench_seams(session: nox.Session) -> None:
     """Bytes per token per seam on real 3-stage routes (SmolLM2, the V4 twin; real V4 stated)."""
-    session.run("python", "-m", "dgr_route.bench_seams", *session.posargs)
+    session.run("python", "-m", "dgr_bench.bench_seams", *session.posargs)
 
 
 @nox.session(name="bench-wan", python=False)
 def bench_wan(session: nox.Session) -> None:
     """DGR and llama.cpp RPC decode through simulated WAN links (0, 1, 10 ms added)."""
-    session.run("python", "-m", "dgr_route.bench_wan", *session.posargs)
+    session.run("python", "-m", "dgr_bench.bench_wan", *session.posargs)
 
 
 @nox.session(name="bench-seam", python=False)
 def bench_seam(session: nox.Session) -> None:
     """The seam-cost model against measurements through simulated links (within 20%)."""
-    session.run("python", "-m", "dgr_route.bench_wan", "--seam-model", *session.posargs)
+    session.run("python", "-m", "dgr_bench.bench_wan", "--seam-model", *session.posargs)
 
 
 @nox.session(name="bench-plan", python=False)
@@ -156,7 +156,7 @@ def bench_memory(session: nox.Session) -> None:
 @nox.session(python=False)
 def bench(session: nox.Session) -> None:
     """Route speed vs single-process llama.cpp and llama.cpp RPC, same run (JSON to evidence/)."""
-    session.run("python", "-m", "dgr_route.bench", *session.posargs)
+    session.run("python", "-m", "dgr_bench.bench", *session.posargs)
 
 
 @nox.session(name="bench-verify", python=False)

@@ -14,8 +14,8 @@ import grpc
 import pytest
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
+from dgr_bench.netsim import LinkProcess, start_link
 from dgr_route.codec import FNV_OFFSET
-from dgr_route.netsim import LinkProcess, start_link
 from dgr_route.route import Route, RouteError
 from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
 

@@ -1,7 +1,7 @@
 """`nox -s bench-plan` (DGR-057, end to end): plans checked against measurement on loopback.
 
 For each generated scenario: nodes that differ in threads and in a memory limit, each behind a
-`dgr_route.netsim` link of its own generated latency (so a message into node j waits d_j: the
+`dgr_bench.netsim` link of its own generated latency (so a message into node j waits d_j: the
 link matrix's column j). Each node's compute is probed at its threads on this machine; the
 planner places the real model; the planned route is started (real workers, forward mode,
 through the links) and its decode tok/s measured, as is an even split over all the nodes in the
@@ -67,7 +67,7 @@ def measured_links(model: Path, nodes: NodesFile) -> NodesFile:
     import grpc
     from dgr.v1 import shard_pb2 as pb
     from dgr.v1 import shard_pb2_grpc as pb_grpc
-    from dgr_route.netsim import start_link
+    from dgr_bench.netsim import start_link
     from dgr_route.workers import start_worker
 
     size = len(nodes.nodes)
@@ -120,8 +120,8 @@ def measure(
 ) -> dict[str, Any]:
     """Start the workers of `stages`, each behind its node's link; decode tok/s (median of
     ROUNDS) through the route in forward mode, and each worker's RSS afterwards."""
-    from dgr_route.bench import time_route
-    from dgr_route.netsim import start_link
+    from dgr_bench.bench import time_route
+    from dgr_bench.netsim import start_link
     from dgr_route.workers import descriptor_args, start_worker
 
     descriptor = descriptor_args(model)

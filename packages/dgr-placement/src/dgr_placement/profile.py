@@ -199,7 +199,7 @@ def probe_stage(
     import grpc
     from dgr.v1 import shard_pb2 as pb
     from dgr.v1 import shard_pb2_grpc as pb_grpc
-    from dgr_route.bench import time_route
+    from dgr_bench.bench import time_route
     from dgr_route.workers import descriptor_args, start_worker
 
     n = int(_describe(model)["n_layer"])

@@ -1,6 +1,6 @@
 """A userspace WAN link (this kernel has no netem): a TCP proxy that delivers every byte `latency`
 later than it arrived, in order, through a link of `bandwidth` bits per second, in both
-directions. `python -m dgr_route.netsim --upstream HOST:PORT --latency-ms 10 [--mbps 100]`
+directions. `python -m dgr_bench.netsim --upstream HOST:PORT --latency-ms 10 [--mbps 100]`
 prints `DGR-NETSIM-READY port=N` once it listens; `start_link` runs one as a subprocess so the
 proxy never competes with the caller's interpreter.
 
@@ -190,7 +190,7 @@ def start_link(
 ) -> LinkProcess:
     """A proxy in front of `upstream` adding `latency_ms` each way (and a bandwidth limit);
     with `control`, faults can be injected into it (LinkProcess.fault)."""
-    cmd = [sys.executable, "-m", "dgr_route.netsim", "--upstream", upstream]
+    cmd = [sys.executable, "-m", "dgr_bench.netsim", "--upstream", upstream]
     cmd += ["--latency-ms", str(latency_ms)]
     if mbps is not None:
         cmd += ["--mbps", str(mbps)]
@@ -208,7 +208,7 @@ def start_link(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dgr_route.netsim")
+    parser = argparse.ArgumentParser(prog="python -m dgr_bench.netsim")
     parser.add_argument("--upstream", required=True, type=_address)
     parser.add_argument("--listen", default="127.0.0.1:0", type=_address)
     parser.add_argument("--latency-ms", type=float, default=0.0, help="added one-way latency")

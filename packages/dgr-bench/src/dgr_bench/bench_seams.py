@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
-
 from dgr_route.layout_parity import REAL_V4, seam_bytes
 from dgr_route.route import Route, SeamTraffic
 from dgr_route.workers import descriptor_args, start_worker
@@ -80,7 +79,7 @@ def measure(name: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dgr_route.bench_seams")
+    parser = argparse.ArgumentParser(prog="python -m dgr_bench.bench_seams")
     parser.add_argument("--model", action="append")
     args = parser.parse_args(argv)
     results: dict[str, Any] = {

@@ -4,7 +4,7 @@ llama-bench build, and the gate reads medians over rounds."""
 from __future__ import annotations
 
 import pytest
-from dgr_route.bench import ENGINE, ONE, RPC2, SINGLE_LANE, SINGLE_STOCK, THREE, paired_ratios
+from dgr_bench.bench import ENGINE, ONE, RPC2, SINGLE_LANE, SINGLE_STOCK, THREE, paired_ratios
 
 
 def rnd(stock: float, lane: float, three: float, one: float = 50.0) -> dict[str, dict[str, float]]:

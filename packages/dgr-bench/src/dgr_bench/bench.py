@@ -32,7 +32,6 @@ from typing import Any
 
 from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
-
 from dgr_route.route import MODES, Route
 from dgr_route.workers import descriptor_args, start_worker
 
@@ -359,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     from dgr_llamacpp.build import build
     from dgr_llamacpp.workspace import open_workspace
 
-    parser = argparse.ArgumentParser(prog="python -m dgr_route.bench")
+    parser = argparse.ArgumentParser(prog="python -m dgr_bench.bench")
     parser.add_argument("--model", default="smollm2-135m-q4_1")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--paired-rounds", type=int, default=PAIRED_ROUNDS)

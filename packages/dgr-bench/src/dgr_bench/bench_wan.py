@@ -1,4 +1,4 @@
-"""Routes over simulated WAN links (`dgr_route.netsim` proxies in front of every worker, so every
+"""Routes over simulated WAN links (`dgr_bench.netsim` proxies in front of every worker, so every
 link is delayed: coordinator to head, stage to stage, and the tail's tokens back to the head).
 
 `nox -s bench-wan` (DGR-062): decode tokens/s of DGR routes (forward mode with 3 and 2 stages,
@@ -32,11 +32,11 @@ from typing import Any
 
 from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
-
-from dgr_route.bench import engine_round, route_round, rpc_servers, time_route
-from dgr_route.netsim import start_link
 from dgr_route.route import Route
 from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+
+from dgr_bench.bench import engine_round, route_round, rpc_servers, time_route
+from dgr_bench.netsim import start_link
 
 LAYOUT = [(0, 10), (10, 20), (20, 30)]
 PAIR = [(0, 15), (15, 30)]
@@ -236,7 +236,7 @@ def seam_model(workers: list[WorkerProcess], n_embd: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from dgr_artifacts.models import model_path
 
-    parser = argparse.ArgumentParser(prog="python -m dgr_route.bench_wan")
+    parser = argparse.ArgumentParser(prog="python -m dgr_bench.bench_wan")
     parser.add_argument("--seam-model", action="store_true", help="calibrate the seam-cost model")
     parser.add_argument("--model", default="smollm2-135m-q4_1")
     args = parser.parse_args(argv)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from dgr_route.netsim import start_link
+from dgr_bench.netsim import start_link
 
 
 @pytest.fixture
