@@ -185,7 +185,7 @@ def _choose(problem: Problem, finals: list[tuple[float, Stages]]) -> Stages:
     if best == INF:
         raise problem.no_plan()
     near = [s for latency, s in finals if latency <= best * (1 + TIE)]
-    return min(near, key=lambda s: (problem.evaluate(s)[1], problem.evaluate(s)[0]))
+    return min(near, key=lambda s: problem.evaluate(s)[::-1])  # (slowest stage, time)
 
 
 def _extend(
