@@ -98,7 +98,7 @@ def parity(session: nox.Session) -> None:
     args = list(session.posargs)
     if "--distributed" in args:
         args.remove("--distributed")
-        session.run("python", "-m", "dgr_route.layout_parity", *args)
+        session.run("python", "-m", "dgr_cert.layout_parity", *args)
     else:
         session.run("python", "-m", "dgr_native.parity", *args)
 

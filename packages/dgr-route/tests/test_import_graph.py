@@ -28,7 +28,7 @@ FORBIDDEN_PACKAGES = {
     "nox",
     "mkdocs",
 }
-FORBIDDEN_MODULES = ("dgr_route.layout", "dgr_native.build")
+FORBIDDEN_MODULES = ("dgr_native.build",)
 
 
 def imported_by(module: str) -> list[str]:

@@ -97,7 +97,7 @@ def test_the_demo_runs_the_quick_twin(quick_twin: Path) -> None:
 def test_a_bf16_wire_equals_the_same_rounding_in_one_process(
     quick_twin: Path, fleet: list[WorkerProcess]
 ) -> None:
-    from dgr_route.layout_parity import free_run
+    from dgr_cert.layout_parity import free_run
 
     prompt = np.random.default_rng(9).integers(0, 1024, 140).astype(np.int32)
     want = free_run(quick_twin, LAYOUT, "bf16", prompt, 5)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
-from dgr_route.layout_parity import REAL_V4, seam_bytes
+from dgr_route.codec import REAL_V4, seam_bytes
 from dgr_route.route import Route, SeamTraffic
 from dgr_route.workers import descriptor_args, start_worker
 

@@ -20,9 +20,10 @@ from dgr_prd.lanes import available_lanes
 from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
 from dgr_prd.runner import git_state
-from dgr_route.layout_parity import DEFAULT_MODELS
-from dgr_route.layout_parity import certify as layout_parity
 from dgr_route.workers import start_worker
+
+from dgr_cert.layout_parity import DEFAULT_MODELS
+from dgr_cert.layout_parity import certify as layout_parity
 
 
 def certify_model(

@@ -22,6 +22,14 @@ WIRE_DTYPES: dict[int, tuple[str, np.dtype]] = {
     pb.DTYPE_BF16: ("bf16", np.dtype("<u2")),  # raw bf16 bits; numpy has no bf16
 }
 BY_NAME = {name: code for code, (name, _) in WIRE_DTYPES.items()}
+REAL_V4 = {"hc": 4, "n_embd": 4096}  # DeepSeek V4's mHC residual: 4 x n_embd per token
+
+
+def seam_bytes(hc: int, n_embd: int) -> dict[str, int]:
+    """Residual bytes per token crossing one seam, f32 and bf16, and the token-id sideband."""
+    return {"f32": hc * n_embd * 4, "bf16": hc * n_embd * 2, "token_id_sideband": 4}
+
+
 FNV_OFFSET = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
 

@@ -29,11 +29,10 @@ import numpy as np
 from dgr_native.parity import Chain, ParityResult, compare, reference_run, top_k_overlap
 from dgr_native.scenarios import ModelStructure, Scenario, generate
 from dgr_prd.metrics import report
-
+from dgr_route.codec import REAL_V4, seam_bytes
 from dgr_route.route import Route
 from dgr_route.workers import descriptor_args, start_worker
 
-REAL_V4 = {"hc": 4, "n_embd": 4096}
 DEFAULT_MODELS = ["smollm2-135m-q4_1", "dsv4-twin-quick"]
 
 
@@ -121,11 +120,6 @@ def over_workers(
         for w in workers:
             w.stop()
     return results
-
-
-def seam_bytes(hc: int, n_embd: int) -> dict[str, int]:
-    """Residual bytes per token crossing one seam, f32 and bf16, and the token-id sideband."""
-    return {"f32": hc * n_embd * 4, "bf16": hc * n_embd * 2, "token_id_sideband": 4}
 
 
 def certify(
@@ -270,7 +264,7 @@ def certify(
 def main(argv: list[str] | None = None) -> int:
     from dgr_artifacts.models import model_names, model_path
 
-    parser = argparse.ArgumentParser(prog="python -m dgr_route.layout_parity")
+    parser = argparse.ArgumentParser(prog="python -m dgr_cert.layout_parity")
     parser.add_argument("--model", action="append", choices=model_names())
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4, 11])
     parser.add_argument("--prompt-tokens", type=int, default=200)
