@@ -14,7 +14,8 @@ RUNTIME = [
     "dgr_route.session",
     "dgr_route.route",
     "dgr_route.text",
-    "dgr_route.openai_server",
+    "dgr_serve.openai_server",
+    "dgr_serve.cli",
     "dgr_route.cli",
     "dgr_route.chat",
 ]

@@ -175,30 +175,6 @@ def stream_text(
     return Streamed("".join(parts), count, why)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from dgr_route.openai_server import create_app
-
-    route = open_route(args)
-    if route is None:
-        return 1
-    tokenizer = route_tokenizer(args, route)
-    if tokenizer is None:
-        return 1
-    c = route.stages[0].describe.compatibility
-    app = create_app(
-        route,
-        tokenizer,
-        args.model_name
-        or (model_arg(args.model).stem if args.model else f"{c.arch}-{c.model_fingerprint[:12]}"),
-        max_active=args.max_active,
-        max_queue=args.max_queue,
-    )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
-
-
 def open_route(args: argparse.Namespace) -> Route | None:
     """The route the add_route_options arguments name, or None after printing why it failed."""
     try:
@@ -238,26 +214,6 @@ def add_route_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", type=Path, help="PEM client certificate (workers requiring mTLS)")
     p.add_argument("--tls-key", type=Path, help="PEM key of the client certificate")
     p.add_argument("--auth-token-file", type=Path, help="file holding the workers' bearer token")
-
-
-def register_serve(sub: Any) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API over a route")
-    add_route_options(p)
-    p.add_argument(
-        "--model", help="a local GGUF for the tokenizer and template (default: the head worker's)"
-    )
-    p.add_argument("--model-name", help="the id /v1/models reports")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--max-active",
-        type=int,
-        help="requests generating at once (default: the route's session slots)",
-    )
-    p.add_argument(
-        "--max-queue", type=int, default=16, help="requests that may wait; more get HTTP 429"
-    )
-    p.set_defaults(func=cmd_serve)
 
 
 def register_worker(sub: Any) -> None:

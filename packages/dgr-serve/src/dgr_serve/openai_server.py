@@ -34,16 +34,15 @@ from typing import Any, Literal
 import grpc
 import numpy as np
 from dgr.v1 import shard_pb2 as pb
+from dgr_route.codec import decode_logits
+from dgr_route.route import Route, RouteError, Sampling
+from dgr_route.text import Detokenizer, StopMatcher, stop_list
+from dgr_route.tokenizer import TokenizerLike
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
-
-from dgr_route.codec import decode_logits
-from dgr_route.route import Route, RouteError, Sampling
-from dgr_route.text import Detokenizer, StopMatcher, stop_list
-from dgr_route.tokenizer import TokenizerLike
 
 RETRY_AFTER_S = 1
 MAX_TOP_LOGPROBS = 20

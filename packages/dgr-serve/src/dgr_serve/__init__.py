@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server over a DGR route (`dgr serve`)."""

@@ -1,0 +1,52 @@
+"""`dgr serve`: the OpenAI-compatible HTTP server over a route of running workers."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dgr_route.cli import add_route_options, model_arg, open_route, route_tokenizer
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API over a route")
+    add_route_options(p)
+    p.add_argument(
+        "--model", help="a local GGUF for the tokenizer and template (default: the head worker's)"
+    )
+    p.add_argument("--model-name", help="the id /v1/models reports")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--max-active",
+        type=int,
+        help="requests generating at once (default: the route's session slots)",
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=16, help="requests that may wait; more get HTTP 429"
+    )
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from dgr_serve.openai_server import create_app
+
+    route = open_route(args)
+    if route is None:
+        return 1
+    tokenizer = route_tokenizer(args, route)
+    if tokenizer is None:
+        return 1
+    c = route.stages[0].describe.compatibility
+    app = create_app(
+        route,
+        tokenizer,
+        args.model_name
+        or (model_arg(args.model).stem if args.model else f"{c.arch}-{c.model_fingerprint[:12]}"),
+        max_active=args.max_active,
+        max_queue=args.max_queue,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
