@@ -144,7 +144,7 @@ def bench_seam(session: nox.Session) -> None:
 @nox.session(name="bench-plan", python=False)
 def bench_plan(session: nox.Session) -> None:
     """Planned routes on loopback through generated links: measured vs predicted, vs even split."""
-    session.run("python", "-m", "dgr_placement.bench", *session.posargs)
+    session.run("python", "-m", "dgr_bench.plan", *session.posargs)
 
 
 @nox.session(name="bench-memory", python=False)

@@ -199,7 +199,6 @@ def probe_stage(
     import grpc
     from dgr.v1 import shard_pb2 as pb
     from dgr.v1 import shard_pb2_grpc as pb_grpc
-    from dgr_bench.bench import time_route
     from dgr_route.workers import descriptor_args, start_worker
 
     n = int(_describe(model)["n_layer"])
@@ -218,15 +217,32 @@ def probe_stage(
                 t0 = time.perf_counter()
                 stub.Health(pb.HealthRequest(), timeout=10)
                 rtts.append(time.perf_counter() - t0)
-        prompt = [1000 + i for i in range(32)]
-        rate = time_route(addresses, prompt, decode, rounds, "forward", peers=addresses)
+        token_ms = _decode_ms(addresses, [1000 + i for i in range(32)], decode, rounds)
     finally:
         for w in workers:
             w.stop()
-    token_ms = 1000 / rate["decode"]
     layers_ms = compute.ms_per_layer * n + compute.head_ms + compute.tail_ms
     hops_ms = stages * statistics.median(rtts) * 1000 / 2
     return round(max(0.0, (token_ms - layers_ms - hops_ms) / stages), 4)
+
+
+def _decode_ms(addresses: list[str], prompt: list[int], decode: int, rounds: int) -> float:
+    """Median ms per decode token of greedy generations through a forward-mode route."""
+    from dgr_route.route import Route
+
+    route = Route.open(addresses, timeout=120, mode="forward", peers=addresses)
+    try:
+        per_token = []
+        for _ in range(rounds):
+            stream = route.generate(prompt, decode + 1)
+            next(stream)  # the prefill's token: not a decode step
+            t0 = time.perf_counter()
+            for _ in stream:
+                pass
+            per_token.append((time.perf_counter() - t0) / decode)
+    finally:
+        route.close()
+    return statistics.median(per_token) * 1000
 
 
 def _describe(model: Path) -> Any:

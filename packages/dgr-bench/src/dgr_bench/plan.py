@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from dgr_placement import planner
 from dgr_placement.nodes import Compute, Links, Node, NodesFile
 from dgr_placement.profile import ModelProfile, WorkerOptions, probe, profile_model
@@ -67,8 +66,9 @@ def measured_links(model: Path, nodes: NodesFile) -> NodesFile:
     import grpc
     from dgr.v1 import shard_pb2 as pb
     from dgr.v1 import shard_pb2_grpc as pb_grpc
-    from dgr_bench.netsim import start_link
     from dgr_route.workers import start_worker
+
+    from dgr_bench.netsim import start_link
 
     size = len(nodes.nodes)
     target = start_worker(model, 0, 1, threads=1, n_ctx=64, max_sessions=1)
@@ -120,9 +120,10 @@ def measure(
 ) -> dict[str, Any]:
     """Start the workers of `stages`, each behind its node's link; decode tok/s (median of
     ROUNDS) through the route in forward mode, and each worker's RSS afterwards."""
+    from dgr_route.workers import descriptor_args, start_worker
+
     from dgr_bench.bench import time_route
     from dgr_bench.netsim import start_link
-    from dgr_route.workers import descriptor_args, start_worker
 
     descriptor = descriptor_args(model)
     workers, links = [], []
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     from dgr_prd.metrics import report
     from dgr_prd.paths import find_root
 
-    parser = argparse.ArgumentParser(prog="python -m dgr_placement.bench")
+    parser = argparse.ArgumentParser(prog="python -m dgr_bench.plan")
     parser.add_argument("--model", default="smollm2-135m-q4_1")
     parser.add_argument(
         "--scenarios",
