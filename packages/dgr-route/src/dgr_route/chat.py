@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Any
 
-from dgr_route.cli import add_route_options, open_route, route_tokenizer, stream_text
+from dgr_route.cli import add_route_options, open_client, stream_text
 from dgr_route.route import RouteError, Sampling
 from dgr_route.tokenizer import TokenizerLike
 
@@ -41,12 +41,10 @@ class Conversation:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    route = open_route(args)
-    if route is None:
+    client = open_client(args)
+    if client is None:
         return 1
-    tokenizer = route_tokenizer(args, route)
-    if tokenizer is None:
-        return 1
+    route, tokenizer = client
     n_ctx = min(s.describe.n_ctx for s in route.stages)
     conversation = Conversation(tokenizer, n_ctx, args.system)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)

@@ -22,35 +22,37 @@ def model_arg(value: str) -> Path:
     return model_path(value) if value in model_names() else Path(value)
 
 
-def recipe_layers(args: argparse.Namespace, model: Path) -> tuple[str, list[str]]:
-    """(--layers, the worker's recipe arguments): with --recipe and --node, the node's range from
-    a recipe checked against this model's manifest; else --layers as given."""
+def worker_layers(args: argparse.Namespace, model: Path) -> tuple[str, list[str]]:
+    """(--layers, the worker's descriptor arguments): with --recipe and --node, the node's range
+    from a recipe checked against this model's manifest, whose fingerprint the worker reports
+    (the model is hashed once); else --layers as given and the model's fingerprint."""
+    from dgr_route.workers import descriptor_args
+
     if args.recipe is None:
         if args.layers is None:
             raise ValueError("--layers FIRST:LAST is required (or --recipe FILE --node NAME)")
-        return args.layers, []
+        return args.layers, descriptor_args(model)
     from dgr_artifacts.manifest import build_manifest
     from dgr_artifacts.recipe import load_recipe
 
     if args.node is None:
         raise ValueError("--recipe needs --node NAME: which of its stages this worker serves")
     recipe = load_recipe(args.recipe)
-    recipe.check(build_manifest(model))
+    manifest = build_manifest(model)
+    recipe.check(manifest)
     layers = str(recipe.stage_of(args.node).layers)
     if args.layers is not None and args.layers != layers:
         raise ValueError(f"--layers {args.layers} is not node {args.node}'s {layers} in the recipe")
-    return layers, ["--recipe-id", recipe.id]
+    return layers, ["--model-fingerprint", manifest.model_fingerprint, "--recipe-id", recipe.id]
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from dgr_native.build import worker_binary
     from pydantic import ValidationError
 
-    from dgr_route.workers import descriptor_args
-
     model = model_arg(args.model)
     try:
-        layers, recipe = recipe_layers(args, model)
+        layers, descriptor = worker_layers(args, model)
     except (ValueError, ValidationError, OSError) as exc:
         print(f"dgr worker: {exc}", file=sys.stderr)
         return 2
@@ -68,8 +70,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         str(args.max_sessions),
         "--n-ctx",
         str(args.n_ctx),
-        *descriptor_args(model),
-        *recipe,
+        *descriptor,
         "--max-queue",
         str(args.max_queue),
         "--max-batch",
@@ -92,11 +93,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     os.execv(cmd[0], cmd)  # the worker replaces this process: signals reach it directly
 
 
-def route_tokenizer(args: argparse.Namespace, route: Route) -> TokenizerLike | None:
-    """--model's local vocabulary, else the head worker's tokenizer over the wire (None after
-    printing why it cannot be had)."""
+def open_client(args: argparse.Namespace) -> tuple[Route, TokenizerLike] | None:
+    """The route the add_route_options arguments name and its tokenizer: --model's local
+    vocabulary, else the head worker's over the wire. None after printing why either failed."""
+    route = open_route(args)
+    if route is None:
+        return None
     try:
-        return tokenizer_for(args.model and model_arg(args.model), route)
+        return route, tokenizer_for(args.model and model_arg(args.model), route)
     except TokenizerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         route.close()
@@ -104,12 +108,10 @@ def route_tokenizer(args: argparse.Namespace, route: Route) -> TokenizerLike | N
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    route = open_route(args)
-    if route is None:
+    client = open_client(args)
+    if client is None:
         return 1
-    tokenizer = route_tokenizer(args, route)
-    if tokenizer is None:
-        return 1
+    route, tokenizer = client
     prompt = tokenizer.encode(args.prompt)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     started = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dgr_route.cli import add_route_options, model_arg, open_route, route_tokenizer
+from dgr_route.cli import add_route_options, model_arg, open_client
 
 
 def register(sub: Any) -> None:
@@ -33,12 +33,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from dgr_serve.openai_server import create_app
 
-    route = open_route(args)
-    if route is None:
+    client = open_client(args)
+    if client is None:
         return 1
-    tokenizer = route_tokenizer(args, route)
-    if tokenizer is None:
-        return 1
+    route, tokenizer = client
     c = route.stages[0].describe.compatibility
     app = create_app(
         route,
