@@ -17,14 +17,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from dgr_placement import planner
 from dgr_placement.nodes import Compute, Links, Node, NodesFile
-from dgr_placement.profile import ModelProfile, WorkerOptions, probe, profile_model
+from dgr_placement.profile import ModelProfile, WorkerOptions, one_way_ms, probe, profile_model
 
 PROMPT = [1000 + (i * 7) % 5000 for i in range(48)]
 DECODE_TOKENS = 32
@@ -61,11 +60,8 @@ def loopback_nodes(seed: int, profile: ModelProfile, n_nodes: int) -> NodesFile:
 
 
 def measured_links(model: Path, nodes: NodesFile) -> NodesFile:
-    """The link matrix as a deployment would measure it: half the round trip of a gRPC Health
-    call through each node's link (median of 30), in front of a one-layer worker."""
-    import grpc
-    from dgr.v1 import shard_pb2 as pb
-    from dgr.v1 import shard_pb2_grpc as pb_grpc
+    """The link matrix as a deployment would measure it (`one_way_ms` through each node's link,
+    median of 30), in front of a one-layer worker."""
     from dgr_route.workers import start_worker
 
     from dgr_bench.netsim import start_link
@@ -76,16 +72,10 @@ def measured_links(model: Path, nodes: NodesFile) -> NodesFile:
     try:
         for j in range(size):
             link = start_link(target.address, max(row[j] for row in nodes.links.latency_ms))
-            with grpc.insecure_channel(link.address) as channel:
-                stub = pb_grpc.ShardServiceStub(channel)  # type: ignore[no-untyped-call]
-                stub.Health(pb.HealthRequest(), timeout=10)
-                times = []
-                for _ in range(30):
-                    t0 = time.perf_counter()
-                    stub.Health(pb.HealthRequest(), timeout=10)
-                    times.append(time.perf_counter() - t0)
-            link.stop()
-            one_way.append(round(statistics.median(times) * 1000 / 2, 3))
+            try:
+                one_way.append(round(one_way_ms(link.address, calls=30), 3))
+            finally:
+                link.stop()
     finally:
         target.stop()
     latency = [[0.0 if i == j else one_way[j] for j in range(size)] for i in range(size)]
@@ -93,18 +83,18 @@ def measured_links(model: Path, nodes: NodesFile) -> NodesFile:
 
 
 def even_split(problem: planner.Problem) -> list[tuple[int, int, int]]:
-    n, size = problem.n_layer, problem.size
-    cuts = [round(k * n / size) for k in range(size + 1)]
-    return [(i, cuts[i], cuts[i + 1]) for i in range(size)]
+    """All the nodes in their listed order, layers split as evenly as the parity harness does."""
+    from dgr_native.parity import even_layout
+
+    return [(i, a, b) for i, (a, b) in enumerate(even_layout(problem.n_layer, problem.size))]
 
 
 def scrape(worker: Any) -> dict[str, Any]:
     """What the worker's /metrics.json told the tracker after the generations: its measured
     RSS, the tokens and forwards it computed and its mean forward time."""
-    import urllib.request
+    from dgr_meshnet.collect import metrics_view
 
-    with urllib.request.urlopen(f"{worker.metrics_url}/metrics.json", timeout=10) as reply:
-        m = json.loads(reply.read())
+    m = metrics_view(worker.metrics_url)
     latency = m["dgr:forward_latency_seconds"]
     return {
         "rss_bytes": int(m["process_resident_memory_bytes"]),

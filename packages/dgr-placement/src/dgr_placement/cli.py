@@ -15,12 +15,6 @@ from typing import Any
 MIB = 2**20
 
 
-def model_arg(value: str) -> Path:
-    from dgr_artifacts.models import model_names, model_path
-
-    return model_path(value) if value in model_names() else Path(value)
-
-
 def register(sub: Any) -> None:
     p = sub.add_parser("plan", help="place a model's layers over nodes (memory, compute, links)")
     p.add_argument("--model", required=True, help="GGUF path or registered name")
@@ -37,6 +31,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from dgr_route.cli import model_arg
     from pydantic import ValidationError
 
     from dgr_placement import planner

@@ -95,26 +95,12 @@ class Problem:
         valid = a < b
         weight = np.concatenate([[0.0], np.cumsum(profile.layer_weights())])
         span = weight[None, :] - weight[:, None]
-        wbytes = np.concatenate([[0], np.cumsum(profile.layer_weight_bytes)]).astype(np.float64)
-        kv = np.concatenate([[0], np.cumsum(profile.layer_kv_bytes)]).astype(np.float64)
         head, tail = a == 0, b == n
-        c = profile.compute_bytes
-        kind = np.where(
-            head & tail,
-            c["whole"],
-            np.where(head, c["head"], np.where(tail, c["tail"], c["middle"])),
-        )
-        memory = (
-            profile.shared_weight_bytes
-            + (wbytes[None, :] - wbytes[:, None])
-            + (kv[None, :] - kv[:, None])
-            + head * profile.head_weight_bytes
-            + tail * profile.tail_weight_bytes
-            - (head & tail) * (profile.head_weight_bytes if profile.tied_output else 0)
-            + kind
-            + profile.overhead_bytes
-        )
-        self.memory = np.where(valid, memory, INF)
+        # what a worker over each range holds: the profile's estimator, one source for both
+        self.memory = np.full((n + 1, n + 1), INF)
+        for first in range(n):
+            for last in range(first + 1, n + 1):
+                self.memory[first, last] = profile.stage_bytes(first, last)
         self.cost = np.empty((size, n + 1, n + 1))
         for i, (node, comp) in enumerate(zip(nodes.nodes, computes, strict=True)):
             ms = (

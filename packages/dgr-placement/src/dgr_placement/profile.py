@@ -14,7 +14,6 @@ Layers are weighted by their weight bytes (decode reads every weight once per to
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import time
 from pathlib import Path
@@ -196,34 +195,43 @@ def probe_stage(
     per stage (half a gRPC Health round trip each: the seams and the token back to the head),
     split over the stages. It includes what the other workers' idle threads take from the one
     computing, as a route of several stages on shared cores has it."""
-    import grpc
-    from dgr.v1 import shard_pb2 as pb
-    from dgr.v1 import shard_pb2_grpc as pb_grpc
+    from dgr_native.parity import even_layout
     from dgr_route.workers import descriptor_args, start_worker
 
     n = int(_describe(model)["n_layer"])
-    cuts = [round(k * n / stages) for k in range(stages + 1)]
     descriptor = descriptor_args(model)
     workers = [
         start_worker(model, a, b, threads=threads, n_ctx=128, max_sessions=1, descriptor=descriptor)
-        for a, b in itertools.pairwise(cuts)
+        for a, b in even_layout(n, stages)
     ]
     try:
         addresses = [w.address for w in workers]
-        with grpc.insecure_channel(addresses[0]) as channel:
-            stub = pb_grpc.ShardServiceStub(channel)  # type: ignore[no-untyped-call]
-            rtts = []
-            for _ in range(20):
-                t0 = time.perf_counter()
-                stub.Health(pb.HealthRequest(), timeout=10)
-                rtts.append(time.perf_counter() - t0)
+        hop_ms = one_way_ms(addresses[0], calls=20)
         token_ms = _decode_ms(addresses, [1000 + i for i in range(32)], decode, rounds)
     finally:
         for w in workers:
             w.stop()
     layers_ms = compute.ms_per_layer * n + compute.head_ms + compute.tail_ms
-    hops_ms = stages * statistics.median(rtts) * 1000 / 2
+    hops_ms = stages * hop_ms
     return round(max(0.0, (token_ms - layers_ms - hops_ms) / stages), 4)
+
+
+def one_way_ms(address: str, calls: int = 30) -> float:
+    """A link's one-way time as a deployment measures it: half the median round trip of a gRPC
+    Health call to the worker at `address` (one call first, to open the connection)."""
+    import grpc
+    from dgr.v1 import shard_pb2 as pb
+    from dgr.v1 import shard_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.ShardServiceStub(channel)  # type: ignore[no-untyped-call]
+        stub.Health(pb.HealthRequest(), timeout=10)
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            stub.Health(pb.HealthRequest(), timeout=10)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000 / 2
 
 
 def _decode_ms(addresses: list[str], prompt: list[int], decode: int, rounds: int) -> float:
