@@ -5,7 +5,7 @@ set and chat prompt: the worker runs the same llama.cpp vocabulary code."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -79,7 +79,7 @@ class RemoteTokenizer:
         reply = self._call("Vocabulary", pb.VocabularyRequest())
         self.n_vocab = int(reply.n_vocab)
         self.eog_ids = frozenset(int(t) for t in reply.eog)
-        self._texts: OrderedDict[tuple[int, ...], bytes] = OrderedDict()
+        self._detokenize = functools.lru_cache(maxsize=self.CACHE)(self._ask_detokenize)
 
     def _call(self, name: str, request: Any) -> Any:
         try:
@@ -93,15 +93,11 @@ class RemoteTokenizer:
         reply = self._call("Tokenize", pb.TokenizeRequest(text=text.encode(), add_special=True))
         return list(reply.tokens)
 
+    def _ask_detokenize(self, tokens: tuple[int, ...]) -> bytes:
+        return bytes(self._call("Detokenize", pb.DetokenizeRequest(tokens=tokens)).text)
+
     def detokenize(self, tokens: list[int]) -> bytes:
-        key = tuple(tokens)
-        text = self._texts.get(key)
-        if text is None:
-            text = bytes(self._call("Detokenize", pb.DetokenizeRequest(tokens=tokens)).text)
-            self._texts[key] = text
-            if len(self._texts) > self.CACHE:
-                self._texts.popitem(last=False)
-        return text
+        return self._detokenize(tuple(tokens))
 
     def is_eog(self, token: int) -> bool:
         return token in self.eog_ids
