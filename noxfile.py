@@ -141,6 +141,12 @@ def bench_seam(session: nox.Session) -> None:
     session.run("python", "-m", "dgr_bench.bench_wan", "--seam-model", *session.posargs)
 
 
+@nox.session(name="bench-spec", python=False)
+def bench_spec(session: nox.Session) -> None:
+    """Decode with and without prompt-lookup drafts on a 3-stage route, loopback and 10 ms links."""
+    session.run("python", "-m", "dgr_bench.spec", *session.posargs)
+
+
 @nox.session(name="bench-plan", python=False)
 def bench_plan(session: nox.Session) -> None:
     """Planned routes on loopback through generated links: measured vs predicted, vs even split."""

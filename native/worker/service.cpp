@@ -1,5 +1,6 @@
 #include "service.h"
 
+#include "drafting.h"
 #include "sampling.h"
 #include "validate.h"
 #include "wire.h"
@@ -46,6 +47,7 @@ dgr::v1::ForwardRequest next_request(const dgr::v1::ForwardRequest & req, dgr::v
     next.mutable_boundary()->Swap(reply->mutable_boundary());
     next.set_chunk_index(req.chunk_index());
     next.set_last_chunk(req.last_chunk());
+    next.set_n_draft(req.n_draft());
     *next.mutable_sampling() = req.sampling();
     next.set_boundary_dtype(req.boundary_dtype());
     *next.mutable_route() = req.route();
@@ -115,8 +117,11 @@ public:
             pending_ = true;
         } else {
             reply_.add_more_tokens()->Swap(reply.mutable_token());
+            for (auto & t : *reply.mutable_more_tokens()) reply_.add_more_tokens()->Swap(&t);
             reply_.set_n_past(reply.n_past());
             reply_.set_prefix_hash(reply.prefix_hash());
+            reply_.set_drafted(reply_.drafted() + reply.drafted());
+            reply_.set_accepted(reply_.accepted() + reply.accepted());
         }
         return last || Clock::now() - sent_ >= interval_;
     }
@@ -250,15 +255,8 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
     item.out_dtype = desc_.is_tail ? dgr::DType::f32 : d.out_dtype;
     const Batcher::Timing timing = batcher_.run(item);
     if (!item.error) metrics_.forward((size_t) fr.n_tokens, fr.n_tokens == 1 && fr.n_past > 0, timing.queue_seconds, timing.compute_seconds);
-    int32_t token = -1;
-    float logprob = 0.0f;
     try {
         if (item.error) std::rethrow_exception(item.error);
-        if (item.result.is_logits) {
-            thread_local TailSampler sampler;
-            token = sampler.sample((const float *) item.result.data.data(), item.result.row_width, req.sampling(),
-                                   item.result.n_past, &logprob);
-        }
     } catch (const dgr::ShardError & e) {
         return from_shard_error(e);
     } catch (const std::exception & e) {
@@ -270,18 +268,51 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
     reply->set_prefix_hash(res.prefix_hash);
     reply->set_epoch(fr.epoch);
     if (res.is_logits) {
-        auto * tok = reply->mutable_token();
-        tok->set_token_id(token);
-        tok->set_logprob(logprob);
-        if (req.sampling().want_logits()) {
-            encode_boundary(tok->mutable_logits(), dgr::DType::f32, 1, 1, (uint32_t) res.row_width, res.data.data(),
-                            res.data.size());
-        }
+        verify(req, res, reply);
     } else {
         encode_boundary(reply->mutable_boundary(), res.dtype, (uint32_t) res.n_rows, (uint32_t) desc_.boundary.hc,
                         (uint32_t) desc_.boundary.n_embd, res.data.data(), res.data.size());
     }
     return Status::OK;
+}
+
+void ShardService::verify(const dgr::v1::ForwardRequest & req, const dgr::ForwardResult & res, dgr::v1::ForwardReply * reply) {
+    // row i follows token_ids[i]; each row is sampled as plain decode would sample it at that
+    // position (seeded by position), so a draft is accepted exactly when plain decode would have
+    // produced it, and the first row that disagrees gives the token plain decode produces there
+    thread_local TailSampler sampler;
+    const int32_t n_draft = (int32_t) req.n_draft();
+    const int32_t before = res.n_past - (res.n_rows > 1 ? res.n_rows : 1);  // n_past before this forward
+    const int32_t first_row = res.n_rows - 1 - n_draft;                   // the last accepted token's row
+    int32_t accepted = 0;
+    for (int32_t i = 0; i <= n_draft; ++i) {
+        const float * row = (const float *) res.data.data() + (size_t) (first_row + i) * (size_t) res.row_width;
+        float logprob = 0.0f;
+        const int32_t position = res.n_past - n_draft + i;  // what n_past plain decode had after this token
+        const int32_t token = sampler.sample(row, res.row_width, req.sampling(), position, &logprob);
+        auto * tok = i == 0 ? reply->mutable_token() : reply->add_more_tokens();
+        tok->set_token_id(token);
+        tok->set_logprob(logprob);
+        if (req.sampling().want_logits()) {
+            encode_boundary(tok->mutable_logits(), dgr::DType::f32, 1, 1, (uint32_t) res.row_width, row,
+                            sizeof(float) * (size_t) res.row_width);
+        }
+        if (i == n_draft || token != req.token_ids(req.token_ids_size() - n_draft + i)) break;
+        ++accepted;
+    }
+    if (n_draft == 0) return;
+    // the session now holds the last token and the accepted drafts; the rejected ones go at the
+    // next forward of every stage (CacheExpectation.truncate)
+    const int32_t kept = res.n_past - n_draft + accepted;
+    reply->set_n_past((uint32_t) kept);
+    uint64_t hash = req.expect().prefix_hash();
+    if (hash != 0) {
+        const int32_t n_new = kept - before;
+        hash = dgr::prefix_hash(hash, req.token_ids().data() + (req.token_ids_size() - n_draft - 1), (size_t) n_new);
+    }
+    reply->set_prefix_hash(hash);
+    reply->set_drafted((uint32_t) n_draft);
+    reply->set_accepted((uint32_t) accepted);
 }
 
 Status ShardService::Forward(grpc::ServerContext * ctx, Stream * stream) {
@@ -398,6 +429,13 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
     std::set<int32_t> stop;
     dgr::v1::ForwardRequest step;  // the template of decode steps: sampling, dtype, route
     std::unique_ptr<DownstreamLink> down;
+    // speculative decoding (Draft on the last prefill chunk): the session's tokens so far, the
+    // drafter over them, and when the step in flight left
+    std::unique_ptr<PromptLookup> lookup;
+    std::unique_ptr<DraftController> drafts;
+    std::vector<int32_t> prompt;
+    int32_t in_flight_drafts = 0;
+    auto step_sent = std::chrono::steady_clock::now();
     // tokens go to the coordinator coalesced, at most one reply per token_interval_ms: every reply
     // wakes a coordinator whose threads would otherwise take CPU from a stage computing
     TokenCoalescer out(interval);
@@ -445,17 +483,46 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                         step = ev.req;
                         step.clear_token_ids();
                         step.clear_stop_ids();
+                        step.clear_draft();
                         step.set_chunk_index(0);
+                        if (ev.req.draft().source() == dgr::v1::DRAFT_SOURCE_LOOKUP) {
+                            const auto & d = ev.req.draft();
+                            lookup = std::make_unique<PromptLookup>((int32_t) d.ngram_min(), (int32_t) d.ngram_max());
+                            drafts = std::make_unique<DraftController>((int32_t) d.max_draft());
+                            step.mutable_expect()->set_truncate(true);
+                        }
                     }
+                    prompt.insert(prompt.end(), ev.req.token_ids().begin(), ev.req.token_ids().end());
+                    if (lookup) {
+                        for (int32_t t : prompt) lookup->add(t);
+                        prompt.clear();
+                    }
+                    in_flight_drafts = -1;  // a prefill: not a decode step to time
                     process(ev.req);
                 }
                 break;
             case Event::token: {
                 if (!generating) break;
-                const int32_t token = ev.reply.token().token_id();
+                if (drafts && in_flight_drafts >= 0) {
+                    drafts->observe(in_flight_drafts, (int32_t) ev.reply.accepted(),
+                                    std::chrono::duration<double>(std::chrono::steady_clock::now() - step_sent).count());
+                }
+                // a verified step yields several tokens: keep those up to the last one wanted
+                bool last = false;
+                int32_t token = ev.reply.token().token_id(), kept = 0;
+                const int32_t n_out = 1 + ev.reply.more_tokens_size();
+                for (int32_t i = 0; i < n_out && !last; ++i, ++kept) {
+                    token = i == 0 ? ev.reply.token().token_id() : ev.reply.more_tokens(i - 1).token_id();
+                    if (lookup) lookup->add(token);
+                    last = ++generated >= max_tokens || stop.count(token) > 0;
+                }
+                if (kept < n_out) {  // past the last token wanted: not the route's output
+                    ev.reply.mutable_more_tokens()->DeleteSubrange(kept - 1, n_out - kept);
+                    ev.reply.set_n_past(ev.reply.n_past() - (uint32_t) (n_out - kept));
+                    ev.reply.set_prefix_hash(0);
+                }
                 const uint32_t n_past = ev.reply.n_past();
                 const uint64_t hash = ev.reply.prefix_hash();
-                const bool last = ++generated >= max_tokens || stop.count(token) > 0;
                 if (out.add(std::move(ev.reply), last) && !stream->Write(out.take())) {
                     result = Status(StatusCode::CANCELLED, "the coordinator went away");
                     done = true;
@@ -468,8 +535,19 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                 }
                 step.clear_token_ids();
                 step.add_token_ids(token);
+                in_flight_drafts = 0;
+                if (drafts) {
+                    // never past max_tokens, nor past this stage's context
+                    const int32_t room = std::min<int32_t>((int32_t) (max_tokens - generated) - 1,
+                                                           desc_.n_ctx - (int32_t) n_past - 1);
+                    const int32_t k = drafts->next(std::min<int32_t>(room, (int32_t) kMaxDraft));
+                    for (int32_t d : lookup->propose(k)) step.add_token_ids(d);
+                    in_flight_drafts = step.token_ids_size() - 1;
+                }
+                step.set_n_draft((uint32_t) in_flight_drafts);
                 step.mutable_expect()->set_n_past(n_past);
                 step.mutable_expect()->set_prefix_hash(hash);
+                step_sent = std::chrono::steady_clock::now();
                 process(step);
                 break;
             }

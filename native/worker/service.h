@@ -71,6 +71,9 @@ public:
 private:
     using Stream = grpc::ServerReaderWriter<dgr::v1::ForwardReply, dgr::v1::ForwardRequest>;
     grpc::Status compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply);
+    // the tail: sample the last accepted token's row and every drafted one, keep the longest
+    // prefix of drafts the samples agree with, and one sample more
+    void verify(const dgr::v1::ForwardRequest & req, const dgr::ForwardResult & res, dgr::v1::ForwardReply * reply);
     grpc::Status relay(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
     grpc::Status forward_stage(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
     grpc::Status forward_head(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);

@@ -2,6 +2,7 @@
 
 #include "wire.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -15,6 +16,28 @@ Status invalid(const std::string & what) { return Status(StatusCode::INVALID_ARG
 constexpr size_t kMaxAddress = 255;
 constexpr uint32_t kMaxTokenIntervalMs = 10000;
 }  // namespace
+
+Status validate_draft(const dgr::v1::Draft & d) {
+    switch (d.source()) {
+        case dgr::v1::DRAFT_SOURCE_UNSPECIFIED: return Status::OK;
+        case dgr::v1::DRAFT_SOURCE_LOOKUP: break;
+        case dgr::v1::DRAFT_SOURCE_MTP:
+            return Status(StatusCode::UNIMPLEMENTED,
+                          "draft.source: MTP drafting is not built yet (docs/mtp.md); prompt lookup is");
+        default: return invalid("draft.source: unknown source " + std::to_string(d.source()));
+    }
+    if (d.max_draft() < 1 || d.max_draft() > kMaxDraft) {
+        return invalid("draft.max_draft: " + std::to_string(d.max_draft()) + " outside [1, " + std::to_string(kMaxDraft) + "]");
+    }
+    if (d.ngram_max() < 1 || d.ngram_max() > kMaxNgram) {
+        return invalid("draft.ngram_max: " + std::to_string(d.ngram_max()) + " outside [1, " + std::to_string(kMaxNgram) + "]");
+    }
+    if (d.ngram_min() < 1 || d.ngram_min() > d.ngram_max()) {
+        return invalid("draft.ngram_min: " + std::to_string(d.ngram_min()) + " outside [1, ngram_max " +
+                       std::to_string(d.ngram_max()) + "]");
+    }
+    return Status::OK;
+}
 
 int64_t first_non_finite(const void * data, dgr::DType dtype, int64_t n) {
     // an all-ones exponent is infinity or NaN in every one of these formats
@@ -89,6 +112,11 @@ Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Descriptio
                        std::to_string(kMaxTokenIntervalMs));
     }
     if (Status st = validate_sampling(req.sampling(), desc.n_vocab); !st.ok()) return st;
+    if (Status st = validate_draft(req.draft()); !st.ok()) return st;
+    if (req.n_draft() > kMaxDraft || (int64_t) req.n_draft() >= (int64_t) std::max(n_tok_ids, 1)) {
+        return invalid("n_draft: " + std::to_string(req.n_draft()) + " drafts need that many token ids after the last " +
+                       "accepted one (" + std::to_string(n_tok_ids) + " came), at most " + std::to_string(kMaxDraft));
+    }
     if (req.has_route()) {
         if (Status st = validate_route(req.route(), desc); !st.ok()) return st;
     }
@@ -100,6 +128,8 @@ Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Descriptio
     fr.session = req.session_id();
     fr.epoch = exp.epoch();
     fr.n_past = (int32_t) exp.n_past();
+    fr.truncate = exp.truncate();
+    fr.logits_all = req.n_draft() > 0;  // the tail verifies every drafted position
     out->tokens.assign(req.token_ids().begin(), req.token_ids().end());
     if (desc.is_head) {
         if (n_tok_ids < 1) return invalid("token_ids: the head stage needs token ids");

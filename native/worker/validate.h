@@ -26,6 +26,14 @@ grpc::Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Desc
 // temperature finite and >= 0; top_k in [0, n_vocab]; top_p finite in [0, 1]
 grpc::Status validate_sampling(const dgr::v1::Sampling & s, int32_t n_vocab);
 
+// speculative decoding: drafts per step and prompt-lookup n-gram lengths
+constexpr uint32_t kMaxDraft = 16;
+constexpr uint32_t kMaxNgram = 8;
+
+// off, or prompt lookup with max_draft in [1, kMaxDraft] and 1 <= ngram_min <= ngram_max <=
+// kMaxNgram; MTP is UNIMPLEMENTED until built
+grpc::Status validate_draft(const dgr::v1::Draft & d);
+
 // forward mode: a route that names this stage at its place ([first, last) decides head and tail)
 grpc::Status validate_route(const dgr::v1::RouteSpec & route, const dgr::Description & desc);
 

@@ -72,12 +72,14 @@ public:
     }
 
     py::array forward(uint64_t session, uint64_t epoch, int32_t n_past, py::object tokens, py::object boundary,
-                      bool logits_all, const std::string & out_dtype) {
+                      bool logits_all, const std::string & out_dtype, bool truncate, uint64_t prefix_hash) {
         dgr::ForwardRequest req;
         req.session = session;
         req.epoch = epoch;
         req.n_past = n_past;
         req.logits_all = logits_all;
+        req.truncate = truncate;
+        req.prefix_hash = prefix_hash;
         const dgr::Description d = engine_->describe();
         py::buffer_info tok_info, bnd_info;
         if (!tokens.is_none()) {
@@ -179,7 +181,8 @@ PYBIND11_MODULE(_dgr_engine, m) {
         .def("describe", &PyEngine::describe)
         .def("forward", &PyEngine::forward, py::arg("session"), py::arg("epoch"), py::arg("n_past"),
              py::arg("tokens") = py::none(), py::arg("boundary") = py::none(), py::arg("logits_all") = false,
-             py::arg("out_dtype") = "f32")
+             py::arg("out_dtype") = "f32", py::arg("truncate") = false,
+             py::arg("prefix_hash") = 0)
         .def("release", &PyEngine::release_session, py::arg("session"))
         .def("sessions", &PyEngine::sessions)
         .def("tokenize", &PyEngine::tokenize, py::arg("text"), py::arg("add_special") = true)

@@ -207,6 +207,8 @@ struct Session {
     int32_t n_past = 0;
     uint64_t hash = kPrefixHashSeed;  // prefix hash of the tokens in the cache
     bool hash_known = true;           // false once a forward came without its token ids
+    std::vector<uint64_t> hashes{kPrefixHashSeed};  // while hash_known: hashes[i] after i tokens,
+                                                    // what a truncation to i restores
 };
 
 class LlamaShardEngine final : public ShardEngine {
@@ -484,10 +486,14 @@ public:
         for (const Live & l : live) {
             const ForwardRequest & req = l.item->request;
             l.session->n_past += req.n_tokens;
-            if (req.tokens != nullptr) {
-                l.session->hash = prefix_hash(l.session->hash, req.tokens, (size_t) req.n_tokens);
+            if (req.tokens != nullptr && l.session->hash_known) {
+                for (int32_t i = 0; i < req.n_tokens; ++i) {
+                    l.session->hash = prefix_hash(l.session->hash, req.tokens + i, 1);
+                    l.session->hashes.push_back(l.session->hash);
+                }
             } else {
                 l.session->hash_known = false;
+                l.session->hashes.clear();
             }
             ForwardResult & out = l.item->result;
             out.n_past = l.session->n_past;
@@ -597,6 +603,23 @@ private:
             s.n_past = 0;
             s.hash = kPrefixHashSeed;
             s.hash_known = true;
+            s.hashes.assign(1, kPrefixHashSeed);
+            recount();
+        }
+        if (req.truncate && req.n_past < s.n_past) {
+            // speculative decoding: drop the drafts the tail rejected, positions n_past and on
+            if (!llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, req.n_past, -1)) {
+                const int32_t held = s.n_past;
+                drop(req.session);  // half-removed state is no state: the coordinator re-prefills
+                throw ShardError(Status::cache_mismatch, "session " + std::to_string(req.session) + " cannot roll back from " +
+                                                             std::to_string(held) + " to " + std::to_string(req.n_past) +
+                                                             " tokens (this model's state is not positional): re-prefill");
+            }
+            s.n_past = req.n_past;
+            if (s.hash_known) {
+                s.hashes.resize((size_t) s.n_past + 1);
+                s.hash = s.hashes.back();
+            }
             recount();
         }
         if (req.n_past != s.n_past) {

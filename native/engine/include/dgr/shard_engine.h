@@ -118,6 +118,9 @@ struct ForwardRequest {
     const void * boundary = nullptr;    // other stages: n_tokens * hc * n_embd values
     DType boundary_dtype = DType::f32;
     bool logits_all = false;            // tail: logits for every token (else the last only)
+    bool truncate = false;              // the session may hold more than n_past tokens (drafts a
+                                        // verification rejected): drop those first. A model whose
+                                        // state cannot roll back drops the session (cache_mismatch)
 };
 
 struct ForwardResult {

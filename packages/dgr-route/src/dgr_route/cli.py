@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from dgr_route.route import Route, RouteError, Sampling
+from dgr_route.route import Draft, Route, RouteError, Sampling
 from dgr_route.security import Security
 from dgr_route.text import Detokenizer
 from dgr_route.tokenizer import TokenizerError, TokenizerLike, tokenizer_for
@@ -188,8 +188,9 @@ def open_route(args: argparse.Namespace) -> Route | None:
             security=Security.from_files(
                 args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file
             ),
+            draft=Draft(args.draft, max_draft=args.max_draft),
         )
-    except RouteError as exc:
+    except (RouteError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
 
@@ -212,6 +213,15 @@ def add_route_options(p: argparse.ArgumentParser) -> None:
         help="forward: stages stream to each other, the tail loops tokens back to the head "
         "(each token crosses each seam once); relay: every boundary passes through this client",
     )
+    p.add_argument(
+        "--draft",
+        choices=["off", "lookup", "mtp"],
+        default="off",
+        help="speculative decoding (forward mode): lookup drafts from n-grams of the prompt and "
+        "the text so far, verified through the route in one trip; output equals plain decode. "
+        "mtp (DeepSeek V4's nextn block) is not built yet",
+    )
+    p.add_argument("--max-draft", type=int, default=8, help="drafts per step at most (1-16)")
     p.add_argument("--tls-ca", type=Path, help="PEM CA that signed the workers' certificates (TLS)")
     p.add_argument("--tls-cert", type=Path, help="PEM client certificate (workers requiring mTLS)")
     p.add_argument("--tls-key", type=Path, help="PEM key of the client certificate")

@@ -96,6 +96,65 @@ class Sampling:
         )
 
 
+DRAFT_SOURCES = {
+    "off": pb.DRAFT_SOURCE_UNSPECIFIED,
+    "lookup": pb.DRAFT_SOURCE_LOOKUP,
+    "mtp": pb.DRAFT_SOURCE_MTP,
+}
+MAX_DRAFT = 16  # the workers' bound (native/worker/validate.h kMaxDraft)
+
+
+@dataclass
+class Draft:
+    """Speculative decoding (forward mode): the head drafts up to `max_draft` tokens a step by
+    prompt lookup over n-grams of `ngram_min`..`ngram_max` tokens, one forward of them crosses
+    the route, the tail verifies. The output equals plain decode; the head adapts the length to
+    the measured acceptance and step time and stops drafting where it does not pay."""
+
+    source: str = "off"
+    max_draft: int = 8
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.source not in DRAFT_SOURCES:
+            raise ValueError(f"draft {self.source!r} is not one of {', '.join(DRAFT_SOURCES)}")
+        if self.source == "mtp":
+            raise ValueError(
+                "draft 'mtp': MTP drafting is not built yet (docs/mtp.md); use 'lookup'"
+            )
+        if not 1 <= self.max_draft <= MAX_DRAFT:
+            raise ValueError(f"max_draft {self.max_draft} outside [1, {MAX_DRAFT}]")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 8:
+            raise ValueError(
+                f"n-gram lengths {self.ngram_min}..{self.ngram_max}: need 1 <= min <= max <= 8"
+            )
+
+    @property
+    def on(self) -> bool:
+        return self.source != "off"
+
+    def message(self) -> pb.Draft:
+        if not self.on:
+            return pb.Draft()
+        return pb.Draft(
+            source=DRAFT_SOURCES[self.source],
+            max_draft=self.max_draft,
+            ngram_min=self.ngram_min,
+            ngram_max=self.ngram_max,
+        )
+
+
+@dataclass
+class DraftUsage:
+    """What speculative decoding did in one generation: drafts verified, drafts accepted and
+    the verified steps (route trips) that produced the tokens."""
+
+    drafted: int = 0
+    accepted: int = 0
+    replies: int = 0
+
+
 class _Stream:
     """One Forward stream: requests go in through a queue, replies come back in order.
 
@@ -205,6 +264,7 @@ class Route:
     # coordinator reaches them)
     peers: list[str] = field(default_factory=list)
     token_interval_ms: int = TOKEN_INTERVAL_MS  # forward mode (0: every token in its own reply)
+    draft: Draft = field(default_factory=Draft)  # forward mode: speculative decoding
     n_layer: int = field(init=False)
     wire: SeamTraffic = field(init=False)  # relay mode: what crossed the seams through here
 
@@ -215,6 +275,8 @@ class Route:
             self.peers = [s.address for s in self.stages]
         if len(self.peers) != len(self.stages):
             raise ValueError(f"{len(self.peers)} peer addresses for {len(self.stages)} stages")
+        if self.draft.on and self.mode != "forward":
+            raise ValueError("speculative decoding (draft) needs forward mode: the head drafts")
         self.n_layer = self.stages[0].describe.compatibility.n_layer
         self.wire = SeamTraffic()
 
@@ -228,9 +290,13 @@ class Route:
         mode: str = "forward",
         peers: list[str] | None = None,
         token_interval_ms: int = TOKEN_INTERVAL_MS,
+        draft: Draft | None = None,
     ) -> Route:
         check_wire_dtype(wire_dtype)  # before connecting to anything
         check_mode(mode)
+        draft = draft or Draft()
+        if draft.on and mode != "forward":
+            raise ValueError("speculative decoding (draft) needs forward mode: the head drafts")
         stages = []
         for i, address in enumerate(addresses):
             channel = security.channel(address)
@@ -250,7 +316,7 @@ class Route:
                 raise RouteError(
                     stage.index, stage.address, f"does not accept a {wire_dtype} boundary"
                 )
-        return cls(stages, timeout, wire_dtype, mode, list(peers or []), token_interval_ms)
+        return cls(stages, timeout, wire_dtype, mode, list(peers or []), token_interval_ms, draft)
 
     def close(self) -> None:
         for stage in self.stages:
@@ -278,9 +344,13 @@ class Route:
         max_tokens: int,
         sampling: Sampling | None = None,
         stop: set[int] | None = None,
+        usage: DraftUsage | None = None,
     ) -> Generator[pb.TokenResult, None, None]:
-        """The tail's result for every generated token (id, logprob, logits when asked)."""
-        yield from self.run(secrets.randbits(63), 1, prompt, max_tokens, sampling, stop)
+        """The tail's result for every generated token (id, logprob, logits when asked);
+        `usage`, when given, counts what speculative decoding did."""
+        yield from self.run(
+            secrets.randbits(63), 1, prompt, max_tokens, sampling, stop, usage=usage
+        )
 
     def run(
         self,
@@ -291,6 +361,7 @@ class Route:
         sampling: Sampling | None = None,
         stop: set[int] | None = None,
         prompt_len: int | None = None,
+        usage: DraftUsage | None = None,
     ) -> Generator[pb.TokenResult, None, None]:
         """Prefill `history` (the prompt, or everything so far when a session moves to this
         route under a new epoch: then `prompt_len` says where its generated tokens start, see
@@ -300,7 +371,9 @@ class Route:
         chunk = min(s.describe.max_tokens_per_message for s in self.stages)
         plan = prefill_plan(len(history), chunk, prompt_len)
         if self.mode == "forward":
-            yield from self._run_forward(session, epoch, history, plan, max_tokens, sampling, stop)
+            yield from self._run_forward(
+                session, epoch, history, plan, max_tokens, sampling, stop, usage or DraftUsage()
+            )
             return
         streams = [_Stream(s, self.timeout) for s in self.stages]
         n_past, prefix = 0, FNV_OFFSET
@@ -342,6 +415,7 @@ class Route:
         max_tokens: int,
         sampling: Sampling,
         stop: set[int] | None,
+        usage: DraftUsage,
     ) -> Generator[pb.TokenResult, None, None]:
         if max_tokens < 1:
             return
@@ -365,6 +439,7 @@ class Route:
                         max_tokens=max_tokens if last else 0,
                         stop_ids=sorted(stop or ()),
                         token_interval_ms=self.token_interval_ms,
+                        draft=self.draft.message() if last else None,
                     )
                 )
                 prefix = prefix_hash(tokens, prefix)
@@ -379,6 +454,9 @@ class Route:
                     raise RouteError(
                         0, self.stages[0].address, "the head sent a reply without a token"
                     )
+                usage.drafted += reply.drafted
+                usage.accepted += reply.accepted
+                usage.replies += 1
                 for token in (reply.token, *reply.more_tokens):
                     yield token
                     generated += 1

@@ -35,7 +35,7 @@ import grpc
 import numpy as np
 from dgr.v1 import shard_pb2 as pb
 from dgr_route.codec import decode_logits
-from dgr_route.route import Route, RouteError, Sampling
+from dgr_route.route import DraftUsage, Route, RouteError, Sampling
 from dgr_route.text import Detokenizer, StopMatcher, stop_list
 from dgr_route.tokenizer import TokenizerLike
 from fastapi import FastAPI, Request
@@ -243,10 +243,21 @@ class Generation:
     top_logprobs: int  # alternatives per token; 0 none
     want_logprobs: bool
     completion_tokens: int = 0
+    drafts: DraftUsage = field(default_factory=DraftUsage)  # speculative decoding (--draft)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         p, c = len(self.prompt), self.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        d = self.drafts
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": c,
+            "total_tokens": p + c,
+            # OpenAI's fields for predicted tokens: drafts the route verified and kept or not
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": d.accepted,
+                "rejected_prediction_tokens": d.drafted - d.accepted,
+            },
+        }
 
 
 class Admission:
@@ -363,7 +374,9 @@ def create_app(
         detok = Detokenizer(tokenizer.detokenize)
         matcher = StopMatcher(gen.stops)
         pending: list[TokenInfo] = []
-        results = route.results(gen.prompt, gen.max_tokens, gen.sampling, set(tokenizer.eog_ids))
+        results = route.results(
+            gen.prompt, gen.max_tokens, gen.sampling, set(tokenizer.eog_ids), usage=gen.drafts
+        )
         finish = "length"
         with contextlib.closing(results):
             for result in results:

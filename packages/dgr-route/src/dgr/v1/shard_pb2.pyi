@@ -13,10 +13,19 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_F32: _ClassVar[DType]
     DTYPE_F16: _ClassVar[DType]
     DTYPE_BF16: _ClassVar[DType]
+
+class DraftSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_SOURCE_UNSPECIFIED: _ClassVar[DraftSource]
+    DRAFT_SOURCE_LOOKUP: _ClassVar[DraftSource]
+    DRAFT_SOURCE_MTP: _ClassVar[DraftSource]
 DTYPE_UNSPECIFIED: DType
 DTYPE_F32: DType
 DTYPE_F16: DType
 DTYPE_BF16: DType
+DRAFT_SOURCE_UNSPECIFIED: DraftSource
+DRAFT_SOURCE_LOOKUP: DraftSource
+DRAFT_SOURCE_MTP: DraftSource
 
 class BoundarySpec(_message.Message):
     __slots__ = ("hc", "n_embd", "needs_token_ids", "dtypes")
@@ -75,14 +84,16 @@ class DescribeReply(_message.Message):
     def __init__(self, compatibility: _Optional[_Union[CompatibilityDescriptor, _Mapping]] = ..., layer_first: _Optional[int] = ..., layer_last: _Optional[int] = ..., boundary: _Optional[_Union[BoundarySpec, _Mapping]] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tokens_per_message: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class CacheExpectation(_message.Message):
-    __slots__ = ("epoch", "n_past", "prefix_hash")
+    __slots__ = ("epoch", "n_past", "prefix_hash", "truncate")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     N_PAST_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     n_past: int
     prefix_hash: int
-    def __init__(self, epoch: _Optional[int] = ..., n_past: _Optional[int] = ..., prefix_hash: _Optional[int] = ...) -> None: ...
+    truncate: bool
+    def __init__(self, epoch: _Optional[int] = ..., n_past: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., truncate: _Optional[bool] = ...) -> None: ...
 
 class Boundary(_message.Message):
     __slots__ = ("dtype", "shape", "payload", "crc32")
@@ -111,7 +122,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., want_logits: _Optional[bool] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "expect", "positions", "token_ids", "boundary", "chunk_index", "last_chunk", "sampling", "boundary_dtype", "route", "max_tokens", "stop_ids", "token_interval_ms")
+    __slots__ = ("session_id", "expect", "positions", "token_ids", "boundary", "chunk_index", "last_chunk", "sampling", "boundary_dtype", "route", "max_tokens", "stop_ids", "token_interval_ms", "draft", "n_draft")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECT_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +136,8 @@ class ForwardRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    N_DRAFT_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     expect: CacheExpectation
     positions: _containers.RepeatedScalarFieldContainer[int]
@@ -138,7 +151,21 @@ class ForwardRequest(_message.Message):
     max_tokens: int
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
     token_interval_ms: int
-    def __init__(self, session_id: _Optional[int] = ..., expect: _Optional[_Union[CacheExpectation, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., chunk_index: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., boundary_dtype: _Optional[_Union[DType, str]] = ..., route: _Optional[_Union[RouteSpec, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., token_interval_ms: _Optional[int] = ...) -> None: ...
+    draft: Draft
+    n_draft: int
+    def __init__(self, session_id: _Optional[int] = ..., expect: _Optional[_Union[CacheExpectation, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., chunk_index: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., boundary_dtype: _Optional[_Union[DType, str]] = ..., route: _Optional[_Union[RouteSpec, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., token_interval_ms: _Optional[int] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ..., n_draft: _Optional[int] = ...) -> None: ...
+
+class Draft(_message.Message):
+    __slots__ = ("source", "max_draft", "ngram_min", "ngram_max")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_MIN_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_MAX_FIELD_NUMBER: _ClassVar[int]
+    source: DraftSource
+    max_draft: int
+    ngram_min: int
+    ngram_max: int
+    def __init__(self, source: _Optional[_Union[DraftSource, str]] = ..., max_draft: _Optional[int] = ..., ngram_min: _Optional[int] = ..., ngram_max: _Optional[int] = ...) -> None: ...
 
 class RouteSpec(_message.Message):
     __slots__ = ("stages", "stage_index")
@@ -171,7 +198,7 @@ class TokenResult(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., logits: _Optional[_Union[Boundary, _Mapping]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("session_id", "n_past", "prefix_hash", "boundary", "token", "error", "epoch", "more_tokens")
+    __slots__ = ("session_id", "n_past", "prefix_hash", "boundary", "token", "error", "epoch", "more_tokens", "drafted", "accepted")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     N_PAST_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +207,8 @@ class ForwardReply(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     n_past: int
     prefix_hash: int
@@ -188,7 +217,9 @@ class ForwardReply(_message.Message):
     error: StageError
     epoch: int
     more_tokens: _containers.RepeatedCompositeFieldContainer[TokenResult]
-    def __init__(self, session_id: _Optional[int] = ..., n_past: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., token: _Optional[_Union[TokenResult, _Mapping]] = ..., error: _Optional[_Union[StageError, _Mapping]] = ..., epoch: _Optional[int] = ..., more_tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ...) -> None: ...
+    drafted: int
+    accepted: int
+    def __init__(self, session_id: _Optional[int] = ..., n_past: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., boundary: _Optional[_Union[Boundary, _Mapping]] = ..., token: _Optional[_Union[TokenResult, _Mapping]] = ..., error: _Optional[_Union[StageError, _Mapping]] = ..., epoch: _Optional[int] = ..., more_tokens: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class LoopReply(_message.Message):
     __slots__ = ()

@@ -1,0 +1,94 @@
+#include "drafting.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace dgr::worker {
+
+namespace {
+constexpr double kDecay = 0.2;       // weight of the newest step in the moving averages
+constexpr double kKeep = 0.9;        // decay of the acceptance counts per drafting step
+constexpr int32_t kWarmup = 2;       // plain steps timed before the first draft
+constexpr int32_t kProbeEvery = 16;  // with drafting off, a one-draft probe this often
+constexpr int32_t kPlainEvery = 32;  // with drafting on, a plain step this often keeps t0 fresh
+
+void blend(double & avg, double x, int32_t seen) { avg = seen == 0 ? x : avg + kDecay * (x - avg); }
+}  // namespace
+
+PromptLookup::PromptLookup(int32_t ngram_min, int32_t ngram_max)
+    : ngram_min_(ngram_min), ngram_max_(ngram_max), last_end_((size_t) ngram_max + 1) {}
+
+uint64_t PromptLookup::key(size_t end, int32_t n) const {
+    uint64_t h = 0xCBF29CE484222325ull;  // FNV-1a over the n ids before `end`
+    for (size_t i = end - (size_t) n; i < end; ++i) {
+        h = (h ^ (uint32_t) history_[i]) * 0x100000001B3ull;
+    }
+    return h;
+}
+
+void PromptLookup::add(int32_t token) {
+    // the n-grams that ended just before this token now have a successor: index them
+    const size_t end = history_.size();
+    for (int32_t n = ngram_min_; n <= ngram_max_; ++n) {
+        if ((size_t) n <= end) last_end_[(size_t) n][key(end, n)] = end;
+    }
+    history_.push_back(token);
+}
+
+std::vector<int32_t> PromptLookup::propose(int32_t max_draft) const {
+    const size_t end = history_.size();
+    for (int32_t n = ngram_max_; n >= ngram_min_ && max_draft > 0; --n) {
+        if ((size_t) n > end) continue;
+        const auto & seen = last_end_[(size_t) n];
+        const auto it = seen.find(key(end, n));
+        if (it == seen.end()) continue;
+        const size_t from = it->second;  // the token that followed the earlier occurrence
+        const size_t to = std::min(end, from + (size_t) max_draft);
+        // a hash collision proposes tokens that fail verification, never wrong output
+        return std::vector<int32_t>(history_.begin() + (long) from, history_.begin() + (long) to);
+    }
+    return {};
+}
+
+DraftController::DraftController(int32_t max_draft) : max_draft_(max_draft) {}
+
+double DraftController::acceptance() const { return hits_ / trials_; }
+
+int32_t DraftController::next(int32_t proposal_limit) {
+    if (proposal_limit < 1 || plain_seen_ < kWarmup) return 0;
+    ++since_draft_;
+    if (draft_seen_ > 0 && since_draft_ % kPlainEvery == 0) return 0;
+    const double p = std::min(acceptance(), 0.999);
+    // the prior, until drafting steps are timed: a drafted token costs a quarter of a plain step
+    if (draft_seen_ == 0) beta_ = 0.25 * t0_;
+    const double beta = beta_;
+    int32_t best = 0;
+    double best_rate = 1.0 / t0_, expected = 1.0, pk = 1.0;
+    for (int32_t k = 1; k <= std::min(max_draft_, proposal_limit); ++k) {
+        pk *= p;
+        expected += pk;  // 1 + p + ... + p^k
+        const double rate = expected / (t0_ + beta * k);
+        if (rate > best_rate) {
+            best = k;
+            best_rate = rate;
+        }
+    }
+    if (best == 0 && since_draft_ >= kProbeEvery) best = 1;  // is drafting paying yet?
+    if (best > 0) since_draft_ = 0;
+    return best;
+}
+
+void DraftController::observe(int32_t drafted, int32_t accepted, double seconds) {
+    if (seconds <= 0.0) return;
+    if (drafted == 0) {
+        blend(t0_, seconds, plain_seen_++);
+        return;
+    }
+    // each draft up to the first rejection was a trial; the rejection (if any) one more
+    hits_ = kKeep * hits_ + accepted;
+    trials_ = kKeep * trials_ + accepted + (accepted < drafted ? 1 : 0);
+    // one noisy step moves the estimate by kDecay, not to itself: the prior counts as a step
+    if (plain_seen_ > 0) blend(beta_, std::max(0.0, seconds - t0_) / drafted, ++draft_seen_);
+}
+
+}  // namespace dgr::worker

@@ -1,0 +1,50 @@
+// Speculative decoding at the head of a forward-mode route: where drafts come from and how many to
+// send. The head drafts, one forward of the last accepted token and its drafts crosses the route,
+// and the tail verifies every position (sampling.h), so the output equals plain decode.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+namespace dgr::worker {
+
+// Prompt lookup, as llama.cpp's lookup decoding: the tokens that followed the latest earlier
+// occurrence of the text's last n-gram (the longest of ngram_max..ngram_min that occurred before).
+class PromptLookup {
+public:
+    PromptLookup(int32_t ngram_min, int32_t ngram_max);
+    void add(int32_t token);                                // the session's next token
+    std::vector<int32_t> propose(int32_t max_draft) const;  // empty: no n-gram recurs
+    const std::vector<int32_t> & history() const { return history_; }
+
+private:
+    uint64_t key(size_t end, int32_t n) const;  // the n-gram ending before history_[end]
+    int32_t ngram_min_, ngram_max_;
+    std::vector<int32_t> history_;
+    // per n: n-gram -> where the latest occurrence ended (the index of the token after it)
+    std::vector<std::unordered_map<uint64_t, size_t>> last_end_;
+};
+
+// The draft length, from what the steps measured. A step of k drafts yields 1 + (accepted) tokens,
+// E(k) = (1 - p^(k+1)) / (1 - p) on average when each draft is accepted with probability p, and
+// costs t0 + beta * k: t0 a plain step (the trip around the route and one token's compute), beta
+// each drafted token's compute. The controller picks the k in [0, max_draft] with the most tokens
+// per second; where drafts are rarely accepted that is k = 0, plain decode, and a one-draft probe
+// every kProbeEvery steps notices when they start to be.
+class DraftController {
+public:
+    explicit DraftController(int32_t max_draft);
+    int32_t next(int32_t proposal_limit);  // drafts for the next step (0: a plain step)
+    void observe(int32_t drafted, int32_t accepted, double seconds);
+    double acceptance() const;             // p, the estimate
+
+private:
+    int32_t max_draft_;
+    double t0_ = 0.0, beta_ = 0.0;           // seconds, moving averages
+    double hits_ = 1.0, trials_ = 2.0;       // decayed counts behind p (prior 1/2)
+    int32_t plain_seen_ = 0, draft_seen_ = 0, since_draft_ = 0;
+};
+
+}  // namespace dgr::worker

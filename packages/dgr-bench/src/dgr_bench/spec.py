@@ -1,0 +1,167 @@
+"""Speculative decoding through the route: decode with and without prompt-lookup drafts.
+
+`nox -s bench-spec` (issue 14, the DGR-069 bench's lookup half): a 3-stage forward-mode route
+of SmolLM2 on loopback and behind simulated links of 10 ms one-way on every link
+(`dgr_bench.netsim` proxies, reached by the coordinator and the stages alike), at 1 and 2
+threads per worker. Two tasks: a repetitive one (quote a given text), where drafts from the
+prompt should be accepted, and a free-form one, where they mostly are not and the head's
+controller should stop drafting. Plain and drafted generations alternate round by round over
+the same workers, so the ratio of a round sees one machine state.
+
+Every row reports decode tokens/s both ways, the speed-up, the acceptance rate (drafts accepted
+per draft verified), tokens per route trip, and, behind links, the physical floor of plain
+decode (the whole model's compute per token in one process plus 3 one-way hops times the
+delay). Greedy output must equal plain decode token for token; a difference fails the bench.
+Writes evidence/bench/bench-spec.json.
+
+MTP drafting on the V4 twin (the other half of DGR-069, the beta gate's metric) is not built:
+docs/mtp.md says what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+from dgr_prd.metrics import report
+from dgr_prd.paths import find_root
+from dgr_route.route import Draft, DraftUsage, Route
+from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+
+from dgr_bench.bench import engine_round
+from dgr_bench.bench_wan import linked
+
+LAYOUT = [(0, 10), (10, 20), (20, 30)]
+DECODE_TOKENS = 64
+ROUNDS = 3
+LATENCIES_MS = (0, 10)
+THREADS = (1, 2)
+QUOTED = (
+    "The committee met on Tuesday to review the budget for the new library. After a long "
+    "discussion, the members agreed to fund the reading room, the children's section and the "
+    "archive, but postponed the café until next year. The chair thanked the volunteers who had "
+    "catalogued more than four thousand books over the summer."
+)
+TASKS = {
+    "repetitive": f"Repeat the following text exactly.\n\n{QUOTED}\n\nRepeated text:\n",
+    "free_form": "Write a short story about a lighthouse keeper who finds a strange map.\n\n",
+}
+
+
+def generation(route: Route, prompt: list[int]) -> tuple[list[int], float, DraftUsage]:
+    """Greedy tokens, decode seconds (after the first token) and what drafting did."""
+    usage = DraftUsage()
+    stream = route.results(prompt, DECODE_TOKENS + 1, usage=usage)
+    tokens = [int(next(stream).token_id)]
+    t0 = time.perf_counter()
+    tokens += [int(r.token_id) for r in stream]
+    return tokens, time.perf_counter() - t0, usage
+
+
+def compare(
+    addresses: list[str], prompts: dict[str, list[int]], engine: Any, latency_ms: float
+) -> dict[str, Any]:
+    """Plain and drafted generation of every task, alternating, ROUNDS rounds: one row per task."""
+    plain = Route.open(addresses, timeout=120, peers=addresses)
+    drafted = Route.open(addresses, timeout=120, peers=addresses, draft=Draft("lookup"))
+    rows: dict[str, Any] = {}
+    try:
+        for task, prompt in prompts.items():
+            generation(plain, prompt)  # untimed: the first graphs of this prompt's shapes
+            rounds = []
+            for _ in range(ROUNDS):
+                compute = 1 / engine_round(engine, prompt, 16)["decode"]
+                ref, t_plain, _ = generation(plain, prompt)
+                out, t_spec, usage = generation(drafted, prompt)
+                if out != ref:
+                    raise AssertionError(f"{task}: drafted output differs from plain decode")
+                rounds.append((compute, t_plain, t_spec, usage))
+            n = DECODE_TOKENS
+            drafted_n = sum(u.drafted for *_, u in rounds)
+            accepted_n = sum(u.accepted for *_, u in rounds)
+            steps = len(rounds) * (n + 1) - accepted_n  # every trip yields 1 + its accepted drafts
+            floor = statistics.median(c + len(LAYOUT) * latency_ms / 1000 for c, *_ in rounds)
+            rows[task] = {
+                "plain_tps": round(n / statistics.median(r[1] for r in rounds), 2),
+                "drafted_tps": round(n / statistics.median(r[2] for r in rounds), 2),
+                "speedup": round(statistics.median(r[1] / r[2] for r in rounds), 3),
+                "acceptance": round(accepted_n / drafted_n, 3) if drafted_n else 0.0,
+                "drafted": drafted_n,
+                "accepted": accepted_n,
+                "tokens_per_trip": round(len(rounds) * (n + 1) / steps, 3),
+                "plain_floor_tps": round(1 / floor, 2),
+                "outputs_equal": True,
+            }
+    finally:
+        plain.close()
+        drafted.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dgr_artifacts.models import model_path
+    from dgr_native import load
+
+    parser = argparse.ArgumentParser(prog="python -m dgr_bench.spec")
+    parser.add_argument("--model", default="smollm2-135m-q4_1")
+    parser.add_argument("--threads", type=int, nargs="+", default=list(THREADS))
+    args = parser.parse_args(argv)
+    model = model_path(args.model)
+    descriptor = descriptor_args(model)
+    vocab = load().Vocabulary(str(model))
+    prompts = {task: list(vocab.tokenize(text)) for task, text in TASKS.items()}
+    result: dict[str, Any] = {
+        "model": args.model,
+        "layout": LAYOUT,
+        "decode_tokens": DECODE_TOKENS,
+        "rounds": ROUNDS,
+        "draft": vars(Draft("lookup")),
+        "by_threads": {},
+    }
+    gate: dict[str, float] = {}
+    for threads in args.threads:
+        engine = load().Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
+        workers: list[WorkerProcess] = [
+            start_worker(model, a, b, descriptor=descriptor, threads=threads, n_ctx=1024)
+            for a, b in LAYOUT
+        ]
+        by_latency: dict[str, Any] = {}
+        try:
+            for latency in LATENCIES_MS:
+                direct = [w.address for w in workers]
+                if latency == 0:  # loopback: no proxy in the way
+                    rows = compare(direct, prompts, engine, latency)
+                else:
+                    with linked(direct, latency) as addresses:
+                        rows = compare(addresses, prompts, engine, latency)
+                by_latency[f"{latency}ms"] = rows
+                for task, r in rows.items():
+                    print(
+                        f"{threads}t {latency:>2} ms {task:<10} plain {r['plain_tps']:6.1f} "
+                        f"drafted {r['drafted_tps']:6.1f} tok/s  x{r['speedup']:.2f}  "
+                        f"acceptance {r['acceptance']:.2f}  {r['tokens_per_trip']:.2f} tok/trip  "
+                        f"plain floor {r['plain_floor_tps']:.1f}",
+                        flush=True,
+                    )
+                    gate[f"{threads}t_{latency}ms_{task}_speedup"] = r["speedup"]
+        finally:
+            for w in workers:
+                w.stop()
+            del engine
+        result["by_threads"][str(threads)] = by_latency
+    gate["lookup_speedup_min"] = min(gate.values())
+    result["gate_metrics"] = {"bench_spec": gate}
+    result["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out = find_root().evidence / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-spec.json").write_text(json.dumps(result, indent=2) + "\n")
+    report("bench_spec", gate)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Speculative decoding through the route (prompt-lookup drafts, issue 14): real workers on
+loopback. The head drafts, one forward of the last token and its drafts crosses the route, the
+tail verifies and every stage drops the rejected drafts (CacheExpectation.truncate). Output must
+equal plain decode token for token, greedy and sampled, and drafts must really be accepted;
+rollback in the engine restores the cache exactly; bad draft fields are refused by name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import grpc
+import numpy as np
+import pytest
+from dgr.v1 import shard_pb2 as pb
+from dgr.v1 import shard_pb2_grpc as pb_grpc
+from dgr_route.codec import FNV_OFFSET, prefix_hash
+from dgr_route.route import Draft, DraftUsage, Route, Sampling
+from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+
+LAYOUTS = {1: [(0, 30)], 2: [(0, 15), (15, 30)], 3: [(0, 10), (10, 20), (20, 30)]}
+QUOTE = (
+    "Repeat the following text exactly.\n\nThe quick brown fox jumps over the lazy dog. A "
+    "journey of a thousand miles begins with a single step. All that glitters is not gold, and "
+    "not all those who wander are lost.\n\nRepeated text:\n"
+)
+
+
+@pytest.fixture(scope="module")
+def workers(smollm2: Path) -> Iterator[dict[tuple[int, int], WorkerProcess]]:
+    descriptor = descriptor_args(smollm2)
+    ranges = sorted({r for layout in LAYOUTS.values() for r in layout})
+    started = {r: start_worker(smollm2, *r, descriptor=descriptor, n_ctx=512) for r in ranges}
+    yield started
+    for w in started.values():
+        w.stop()
+
+
+@pytest.fixture(scope="module")
+def quote(smollm2: Path, engine_module: ModuleType) -> list[int]:
+    return list(engine_module.Vocabulary(str(smollm2)).tokenize(QUOTE))
+
+
+def routes(
+    workers: dict[tuple[int, int], WorkerProcess], n_stages: int, **draft: int
+) -> tuple[Route, Route]:
+    addresses = [workers[r].address for r in LAYOUTS[n_stages]]
+    return Route.open(addresses, timeout=60), Route.open(
+        addresses, timeout=60, draft=Draft("lookup", **draft)
+    )
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 3])
+def test_greedy_drafted_output_equals_plain_decode(
+    workers: dict[tuple[int, int], WorkerProcess], quote: list[int], n_stages: int
+) -> None:
+    plain, drafted = routes(workers, n_stages)
+    expected = list(plain.generate(quote, 48))
+    usage = DraftUsage()
+    got = [int(r.token_id) for r in drafted.results(quote, 48, usage=usage)]
+    assert got == expected
+    # the quote recurs in the prompt: drafts were verified, accepted ones and rejected ones
+    assert usage.accepted >= 10, usage
+    assert usage.drafted > usage.accepted, usage
+    plain.close()
+    drafted.close()
+
+
+def test_sampled_drafted_output_equals_plain_decode(
+    workers: dict[tuple[int, int], WorkerProcess], quote: list[int]
+) -> None:
+    """Each position is sampled as plain decode samples it (seeded by position), so a draft is
+    kept exactly when plain decode would have drawn it: the same tokens, not only the same
+    distribution."""
+    plain, drafted = routes(workers, 3)
+    for seed in (1, 2):
+        sampling = Sampling(temperature=0.7, top_k=40, top_p=0.95, seed=seed)
+        usage = DraftUsage()
+        expected = list(plain.generate(quote, 40, sampling))
+        got = [int(r.token_id) for r in drafted.results(quote, 40, sampling, usage=usage)]
+        assert got == expected
+        assert usage.accepted > 0, usage
+    plain.close()
+    drafted.close()
+
+
+def test_drafts_stop_at_max_tokens_and_at_a_stop_token(
+    workers: dict[tuple[int, int], WorkerProcess], quote: list[int]
+) -> None:
+    plain, drafted = routes(workers, 2, max_draft=16)
+    full = list(plain.generate(quote, 30))
+    for n in (1, 7, 30):  # a verified step that overshoots is cut where the generation ends
+        assert list(drafted.generate(quote, n)) == full[:n]
+    stop = full[12]
+    first = full.index(stop)
+    assert list(drafted.generate(quote, 30, stop={stop})) == full[: first + 1]
+    plain.close()
+    drafted.close()
+
+
+def test_the_engine_rolls_back_rejected_drafts(smollm2: Path, engine_module: ModuleType) -> None:
+    """Truncation restores the cache exactly: a session that drafted 5 tokens, kept 2 and went on
+    gives the logits of a session that only ever saw the kept ones."""
+    engine = engine_module.Engine(str(smollm2), 0, -1, n_threads=2, n_ctx=128, max_sessions=2)
+    prompt = np.array([1000 + 7 * i for i in range(12)], np.int32)
+    drafts = np.array([11, 22, 33, 44, 55], np.int32)
+    nxt = np.array([99, 98], np.int32)
+    h = prefix_hash([int(t) for t in prompt], FNV_OFFSET)
+    engine.forward(1, 1, 0, tokens=prompt)
+    engine.forward(1, 1, 12, tokens=drafts, logits_all=True)
+    kept = prefix_hash([11, 22], h)
+    with pytest.raises(engine_module.ShardError, match="expects n_past 14 but the shard holds 17"):
+        engine.forward(1, 1, 14, tokens=nxt)  # without truncate: a mismatch, as before
+    got = engine.forward(1, 1, 14, tokens=nxt, truncate=True)
+    engine.forward(2, 1, 0, tokens=np.concatenate([prompt, drafts[:2]]))
+    want = engine.forward(2, 1, 14, tokens=nxt)
+    assert np.array_equal(got, want)
+    # the prefix hash rolled back with the cache: the kept history's hash is what it checks
+    with pytest.raises(engine_module.ShardError, match="prefix hash differs"):
+        engine.forward(1, 1, 14, tokens=nxt, truncate=True, prefix_hash=kept ^ 1)
+    assert engine.forward(1, 1, 14, tokens=nxt, truncate=True, prefix_hash=kept) is not None
+
+
+def forward_refusal(worker: WorkerProcess, request: pb.ForwardRequest) -> grpc.RpcError:
+    stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(worker.address))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Forward(iter([request]), timeout=30))
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "fields,code,needle",
+    [
+        ({"n_draft": 3, "token_ids": [1, 2, 3]}, "INVALID_ARGUMENT", "n_draft"),
+        ({"n_draft": 17, "token_ids": list(range(1, 19))}, "INVALID_ARGUMENT", "n_draft"),
+        ({"draft": pb.Draft(source=pb.DRAFT_SOURCE_MTP)}, "UNIMPLEMENTED", "MTP"),
+        ({"draft": pb.Draft(source=7)}, "INVALID_ARGUMENT", "draft.source"),
+        (
+            {
+                "draft": pb.Draft(
+                    source=pb.DRAFT_SOURCE_LOOKUP, max_draft=0, ngram_min=1, ngram_max=2
+                )
+            },
+            "INVALID_ARGUMENT",
+            "draft.max_draft",
+        ),
+        (
+            {
+                "draft": pb.Draft(
+                    source=pb.DRAFT_SOURCE_LOOKUP, max_draft=4, ngram_min=3, ngram_max=2
+                )
+            },
+            "INVALID_ARGUMENT",
+            "draft.ngram_min",
+        ),
+        (
+            {
+                "draft": pb.Draft(
+                    source=pb.DRAFT_SOURCE_LOOKUP, max_draft=4, ngram_min=1, ngram_max=9
+                )
+            },
+            "INVALID_ARGUMENT",
+            "draft.ngram_max",
+        ),
+    ],
+)
+def test_bad_draft_fields_are_refused_by_name(
+    workers: dict[tuple[int, int], WorkerProcess],
+    fields: dict[str, object],
+    code: str,
+    needle: str,
+) -> None:
+    request = pb.ForwardRequest(
+        session_id=900,
+        expect=pb.CacheExpectation(epoch=1, prefix_hash=FNV_OFFSET),
+        token_ids=fields.pop("token_ids", [1, 2, 3]),  # type: ignore[arg-type]
+        **fields,  # type: ignore[arg-type]
+    )
+    err = forward_refusal(workers[(0, 30)], request)
+    assert err.code() == getattr(grpc.StatusCode, code)
+    assert needle in (err.details() or "")
+
+
+def test_the_coordinator_refuses_drafts_it_cannot_run(
+    workers: dict[tuple[int, int], WorkerProcess],
+) -> None:
+    with pytest.raises(ValueError, match="MTP drafting is not built"):
+        Draft("mtp")
+    with pytest.raises(ValueError, match="max_draft 17"):
+        Draft("lookup", max_draft=17)
+    with pytest.raises(ValueError, match="needs forward mode"):
+        Route.open([workers[(0, 30)].address], mode="relay", draft=Draft("lookup"))
