@@ -258,7 +258,8 @@ def render_benchmarks(paths: RepoPaths, plots: Path) -> str:
     for path in sorted(bench_dir.glob("*.json")) if bench_dir.is_dir() else []:
         data = json.loads(path.read_text(encoding="utf-8"))
         lines += [f"## {path.stem}", ""]
-        if "by_threads" in data:
+        by_threads = data.get("by_threads", {})
+        if by_threads and all("rows" in r for r in by_threads.values()):  # the route bench
             _route_bench_plot(data["by_threads"], plots / "bench-route.svg")
             lines += ["![Route decode speed](plots/bench-route.svg)", ""]
             for threads, result in sorted(data["by_threads"].items()):
