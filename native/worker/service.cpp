@@ -196,6 +196,7 @@ Status ShardService::Describe(grpc::ServerContext * ctx, const dgr::v1::Describe
     reply->set_max_sessions((uint32_t) desc_.max_sessions);
     reply->set_max_tokens_per_message((uint32_t) desc_.n_batch);
     reply->set_max_message_bytes(options_.max_message_bytes);
+    reply->set_max_rollback((uint32_t) desc_.max_rollback);
     return Status::OK;
 }
 

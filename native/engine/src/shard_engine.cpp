@@ -29,6 +29,9 @@ std::string range_archs() {
 
 // archs whose stages after the head take the residual through llama_dgr_set_boundary (patch 0004)
 const std::set<std::string> kStagedBoundaryArchs = {"deepseek4"};
+// architectures whose per-layer state beyond the KV cache (DeepSeek V4's compressors) cannot drop
+// positions: they roll back only through llama.cpp's recurrent-state snapshots (n_rs_seq)
+const std::set<std::string> kSnapshotStateArchs = {"deepseek4"};
 
 // llama.cpp reports load failures through its log; keep the last error for the typed message
 std::mutex g_log_mutex;
@@ -275,6 +278,10 @@ public:
         // a stage before the tail reads its boundary through the embeddings output
         cparams.embeddings = !desc_.is_tail;
         cparams.pooling_type = LLAMA_POOLING_TYPE_NONE;
+        // speculative decoding drops rejected drafts; a state that is not positional (DeepSeek
+        // V4's compressors) rolls back through this many snapshots (llama.cpp clamps it to 0 for
+        // models whose KV cache needs none)
+        cparams.n_rs_seq = (uint32_t) options.rollback;
         ctx_ = llama_init_from_model(model_, cparams);
         if (ctx_ == nullptr) {
             llama_model_free(model_);
@@ -308,6 +315,11 @@ public:
         desc_.n_ctx = options.n_ctx;
         desc_.n_batch = options.n_batch;
         desc_.max_sessions = options.max_sessions;
+        // positions a truncation may drop: any, where the cache is positional; the snapshots kept,
+        // where it is not (none: the session is dropped and re-prefilled)
+        const bool positional = !llama_model_is_recurrent(model_) && !llama_model_is_hybrid(model_) &&
+                                kSnapshotStateArchs.count(arch) == 0;
+        desc_.max_rollback = positional ? options.n_ctx : (int32_t) llama_n_rs_seq(ctx_);
         desc_.is_head = first == 0;
         staged_boundary_ = kStagedBoundaryArchs.count(arch) > 0;
         desc_.boundary.hc = staged_boundary_ ? shape.hc : 1;

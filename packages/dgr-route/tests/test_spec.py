@@ -16,7 +16,7 @@ import pytest
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
 from dgr_route.codec import FNV_OFFSET, prefix_hash
-from dgr_route.route import Draft, DraftUsage, Route, Sampling
+from dgr_route.route import Draft, DraftUsage, Route, RouteError, Sampling
 from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
 
 LAYOUTS = {1: [(0, 30)], 2: [(0, 15), (15, 30)], 3: [(0, 10), (10, 20), (20, 30)]}
@@ -191,3 +191,53 @@ def test_the_coordinator_refuses_drafts_it_cannot_run(
         Draft("lookup", max_draft=17)
     with pytest.raises(ValueError, match="needs forward mode"):
         Route.open([workers[(0, 30)].address], mode="relay", draft=Draft("lookup"))
+
+
+def test_v4_twin_drafts_roll_back_through_state_snapshots(quick_twin: Path) -> None:
+    """DeepSeek V4's compressor state is not positional: its stages drop rejected drafts through
+    llama.cpp's state snapshots (--rollback, n_rs_seq), and the output stays plain decode's."""
+    descriptor = descriptor_args(quick_twin)
+    fleet = [
+        start_worker(quick_twin, a, b, descriptor=descriptor, n_ctx=512)
+        for a, b in [(0, 2), (2, 3), (3, 6)]
+    ]
+    try:
+        third = [int(t) for t in np.random.default_rng(5).integers(0, 1024, 40)]
+        prompt = third * 3
+        addresses = [w.address for w in fleet]
+        plain = Route.open(addresses)
+        drafted = Route.open(addresses, draft=Draft("lookup"))
+        assert [s.describe.max_rollback for s in drafted.stages] == [16, 16, 16]
+        usage = DraftUsage()
+        got = [int(r.token_id) for r in drafted.results(prompt, 40, usage=usage)]
+        assert got == list(plain.generate(prompt, 40))
+        assert usage.accepted > 0 and usage.drafted > usage.accepted, usage  # kept and rolled back
+        plain.close()
+        drafted.close()
+    finally:
+        for w in fleet:
+            w.stop()
+
+
+def test_a_stage_that_cannot_roll_back_refuses_drafting(
+    quick_twin: Path, workers: dict[tuple[int, int], WorkerProcess]
+) -> None:
+    whole = start_worker(
+        quick_twin,
+        0,
+        6,
+        descriptor=descriptor_args(quick_twin),
+        n_ctx=256,
+        extra=["--rollback", "0"],
+    )
+    try:
+        with pytest.raises(RouteError, match="start it with --rollback N") as info:
+            Route.open([whole.address], draft=Draft("lookup"))
+        assert info.value.stage == 0
+        Route.open([whole.address]).close()  # plain decode is unaffected
+    finally:
+        whole.stop()
+    # a positional cache drops any number of positions: the coordinator keeps max_draft
+    route = Route.open([workers[(0, 30)].address], draft=Draft("lookup", max_draft=16))
+    assert route.stages[0].describe.max_rollback == 512 and route.draft.max_draft == 16
+    route.close()

@@ -69,6 +69,9 @@ struct EngineOptions {
     int32_t prio = 0;           // compute threads' scheduling priority, as llama.cpp's --prio:
                                 // 0 normal, 1 medium, 2 high, 3 realtime (SCHED_FIFO; needs
                                 // CAP_SYS_NICE, else ggml warns and keeps normal)
+    int32_t rollback = 16;      // speculative decoding: positions one truncation may drop in a
+                                // model whose state is not positional (DeepSeek V4), through
+                                // that many state snapshots per session (llama.cpp n_rs_seq)
     bool load_mtp = false;      // MTP (nextn) layers: reserved, refused in alpha
     bool estimate_only = false; // llama.cpp's dry run: describe() reports the memory the range
                                 // would take (weights, KV, compute) without allocating it;
@@ -91,6 +94,8 @@ struct Description {
     int32_t n_ctx = 0;
     int32_t n_batch = 0;
     int32_t max_sessions = 0;
+    int32_t max_rollback = 0;   // positions a truncation may drop (n_ctx where the cache is
+                                // positional; the snapshots kept where not; 0: none)
     bool is_head = false;
     bool is_tail = false;
     BoundarySpec boundary;

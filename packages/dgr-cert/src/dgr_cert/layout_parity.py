@@ -10,7 +10,10 @@ every layout and model:
   batch shape), f32 boundary (bitwise) and bf16 boundary (NMSE, top-1 and top-5 agreement);
 - over workers (`--workers`): one `dgr-shard-worker` process per stage on loopback and a Route
   whose tail returns each step's logits; they must equal the reference bit for bit, and the
-  bytes that crossed each seam per token are counted.
+  bytes that crossed each seam per token are counted. One more run per layout decodes with
+  prompt-lookup drafts (speculative decoding) from a prompt that says its first third three
+  times, against that prompt's single-process reference: the same greedy tokens (required) and
+  whether the logits are bitwise equal too, with the drafts verified and kept counted.
 
 `nox -s parity -- --distributed --model dsv4-twin --stages 2 3 4 11 --workers`
 """
@@ -30,10 +33,23 @@ from dgr_native.parity import Chain, ParityResult, compare, reference_run, top_k
 from dgr_native.scenarios import ModelStructure, Scenario, generate
 from dgr_prd.metrics import report
 from dgr_route.codec import REAL_V4, seam_bytes
-from dgr_route.route import Route
+from dgr_route.route import Draft, DraftUsage, Route
 from dgr_route.workers import descriptor_args, start_worker
 
 DEFAULT_MODELS = ["smollm2-135m-q4_1", "dsv4-twin-quick"]
+LOOKUP_DECODE = 48  # decode steps of the prompt-lookup run
+
+
+@dataclass
+class Run:
+    """One route run over a layout's workers: its mode and wire dtype, the logits it must equal,
+    and for speculative decoding the draft source and its own prompt."""
+
+    mode: str
+    wire_dtype: str
+    ref_logits: list[np.ndarray]
+    draft: str = "off"
+    prompt: np.ndarray | None = None  # None: the layout's prompt
 
 
 @dataclass
@@ -49,6 +65,9 @@ class WorkerResult:
     greedy_identical: bool
     seam_bytes_per_token: dict[str, float]  # measured in relay mode (it passes the coordinator)
     seconds: float
+    draft: str = "off"  # speculative decoding: drafts verified and accepted on the way
+    drafted: int = 0
+    accepted: int = 0
 
 
 def structure(model: Path) -> ModelStructure:
@@ -77,49 +96,65 @@ def free_run(
 
 
 def over_workers(
-    model: Path,
-    scenario: Scenario,
-    prompt: np.ndarray,
-    runs: list[tuple[str, str, list[np.ndarray]]],
+    model: Path, scenario: Scenario, prompt: np.ndarray, runs: list[Run]
 ) -> list[WorkerResult]:
-    """For each (mode, wire dtype, reference logits): the route's logits against the reference
-    (the single-process run for an f32 wire, the same layout in one process with the same
-    rounding for f16/bf16), over one set of workers."""
+    """For each run: the route's logits against its reference (the single-process run for an
+    f32 wire, the same layout in one process with the same rounding for f16/bf16), over one set
+    of workers."""
     descriptor = descriptor_args(model)
     workers = []
     results = []
     try:
         for a, b in scenario.layout:
             workers.append(start_worker(model, a, b, descriptor=descriptor, n_ctx=1024))
-        for mode, wire_dtype, ref_logits in runs:
+        for run in runs:
             t0 = time.perf_counter()
-            route = Route.open([w.address for w in workers], wire_dtype=wire_dtype, mode=mode)
+            route = Route.open(
+                [w.address for w in workers],
+                wire_dtype=run.wire_dtype,
+                mode=run.mode,
+                draft=Draft(run.draft),
+            )
+            tokens = prompt if run.prompt is None else run.prompt
+            usage = DraftUsage()
             try:
-                trace = list(route.trace([int(t) for t in prompt], len(ref_logits)))
+                trace = list(route.trace([int(t) for t in tokens], len(run.ref_logits), usage))
             finally:
                 route.close()
             got = np.stack([logits for _, logits in trace])
-            want = np.stack(ref_logits)
+            want = np.stack(run.ref_logits)
             results.append(
                 WorkerResult(
                     scenario=scenario.name,
-                    mode=mode,
-                    wire_dtype=wire_dtype,
+                    mode=run.mode,
+                    wire_dtype=run.wire_dtype,
                     layout=scenario.layout,
                     steps=len(trace),
                     bitwise_equal=bool(np.array_equal(got.view(np.uint32), want.view(np.uint32))),
                     max_abs_diff=float(np.max(np.abs(got - want))),
                     top5_overlap=top_k_overlap(got, want, 5),
                     greedy_identical=[t for t, _ in trace]
-                    == [int(np.argmax(x)) for x in ref_logits],
+                    == [int(np.argmax(x)) for x in run.ref_logits],
                     seam_bytes_per_token=route.wire.per_token(),
                     seconds=time.perf_counter() - t0,
+                    draft=run.draft,
+                    drafted=usage.drafted,
+                    accepted=usage.accepted,
                 )
             )
     finally:
         for w in workers:
             w.stop()
     return results
+
+
+def lookup_cell(drafted: list[WorkerResult]) -> str:
+    """The lookup run's verdict: bits (logits bitwise equal), tokens (the same greedy tokens,
+    logits within rounding), NO (different tokens)."""
+    if not drafted:
+        return "-"
+    run = drafted[0]
+    return "bits" if run.bitwise_equal else "tokens" if run.greedy_identical else "NO"
 
 
 def certify(
@@ -139,13 +174,19 @@ def certify(
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, int(whole["n_vocab"]), prompt_tokens).astype(np.int32)
     prompt, ref_logits, ref_tokens = reference_run(model, decode, prompt)
+    # speculative decoding's run: a third of the prompt said three times, so that prompt lookup
+    # drafts, and decoding long enough for drafts to be both kept and rejected
+    third = rng.integers(0, int(whole["n_vocab"]), prompt_tokens // 3).astype(np.int32)
+    quoting, quote_logits, _ = reference_run(
+        model, max(decode, LOOKUP_DECODE), np.concatenate([third, third, third])
+    )
     print(
         f"\n{name}: {shape.n_layer} layers, {shape.hash_layers} hash-routed, "
         f"{len(scenarios)} generated layouts, prompt {len(prompt)} tokens + {decode} decode steps"
     )
     print(
         f"{'layout':<40}{'seams':<32}{'f32':>5}{'bf16 NMSE':>11}{'top1':>6}{'top5':>6}"
-        f"{'forward':>9}{'relay':>7}{'bf16 wire':>10}{'B/tok/seam':>12}"
+        f"{'forward':>9}{'relay':>7}{'lookup':>8}{'kept':>8}{'bf16 wire':>10}{'B/tok/seam':>12}"
     )
     in_process: list[tuple[Scenario, ParityResult]] = []
     over: list[WorkerResult] = []
@@ -161,18 +202,22 @@ def certify(
                 sc,
                 prompt,
                 [
-                    ("forward", "f32", ref_logits),
-                    ("relay", "f32", ref_logits),
-                    ("forward", "bf16", bf16_ref),
-                    ("relay", "bf16", bf16_ref),
+                    Run("forward", "f32", ref_logits),
+                    Run("relay", "f32", ref_logits),
+                    Run("forward", "bf16", bf16_ref),
+                    Run("relay", "bf16", bf16_ref),
+                    Run("forward", "f32", quote_logits, "lookup", quoting),
                 ],
             )
             over += runs
 
         def cell(mode: str, dtype: str, runs: list[WorkerResult] = runs) -> str:
-            found = [r for r in runs if r.mode == mode and r.wire_dtype == dtype]
+            found = [
+                r for r in runs if r.mode == mode and r.wire_dtype == dtype and r.draft == "off"
+            ]
             return ("yes" if found[0].bitwise_equal else "NO") if found else "-"
 
+        drafted = [r for r in runs if r.draft != "off"]
         relay = [r for r in runs if r.mode == "relay" and r.wire_dtype == "f32"]
         wire = sum(relay[0].seam_bytes_per_token.values()) if relay else 0
         bf16_equal = all(r.bitwise_equal for r in runs if r.wire_dtype == "bf16")
@@ -181,13 +226,17 @@ def certify(
             f"{'yes' if f32.bitwise_equal else 'NO':>5}{bf16.nmse:>11.2e}"
             f"{bf16.top1_agreement:>6.2f}{bf16.top5_overlap:>6.2f}"
             f"{cell('forward', 'f32'):>9}{cell('relay', 'f32'):>7}"
+            f"{lookup_cell(drafted):>8}"
+            f"{f'{drafted[0].accepted}/{drafted[0].drafted}' if drafted else '-':>8}"
             f"{('yes' if bf16_equal else 'NO') if runs else '-':>10}"
             f"{f'{wire:.0f}' if runs else '-':>12}",
             flush=True,
         )
     bf16_runs = [r for _, r in in_process if r.boundary_dtype == "bf16"]
-    by_worker = {(w.scenario, w.mode): w for w in over if w.wire_dtype == "f32"}
-    by_worker_bf16 = {(w.scenario, w.mode): w for w in over if w.wire_dtype == "bf16"}
+    plain = [w for w in over if w.draft == "off"]
+    by_worker = {(w.scenario, w.mode): w for w in plain if w.wire_dtype == "f32"}
+    by_worker_bf16 = {(w.scenario, w.mode): w for w in plain if w.wire_dtype == "bf16"}
+    drafted_runs = [w for w in over if w.draft != "off"]
     per_layout: dict[str, dict[str, Any]] = {}
     for sc, r in in_process:
         entry = per_layout.setdefault(sc.name, {"seams": ",".join(map(str, sc.seams))})
@@ -223,9 +272,25 @@ def certify(
         ),
         "workers_checked": len(over),
         "workers_modes": sorted({w.mode for w in over}),
-        "workers_all_bitwise": all(w.bitwise_equal and w.greedy_identical for w in over)
-        if over
+        "workers_all_bitwise": all(w.bitwise_equal and w.greedy_identical for w in plain)
+        if plain
         else None,
+        # speculative decoding (prompt lookup) over every layout: the same greedy tokens as one
+        # process (required), whether the logits are bitwise equal too (a verified step computes
+        # its rows in one batch: SmolLM2's kernels give the same bits, V4's attention and
+        # compressors differ in the last bits for a multi-token batch), and the drafts the tails
+        # kept of those they verified
+        "workers_lookup_greedy_identical": all(w.greedy_identical for w in drafted_runs)
+        if drafted_runs
+        else None,
+        "workers_lookup_all_bitwise": all(w.bitwise_equal for w in drafted_runs)
+        if drafted_runs
+        else None,
+        "workers_lookup_max_abs_logit_diff": max(
+            (w.max_abs_diff for w in drafted_runs), default=0.0
+        ),
+        "workers_lookup_drafted": sum(w.drafted for w in drafted_runs),
+        "workers_lookup_accepted": sum(w.accepted for w in drafted_runs),
         "bf16_nmse_max": max(r.nmse for r in bf16_runs),
         "bf16_top1_min": min(r.top1_agreement for r in bf16_runs),
         "bf16_top5_min": min(r.top5_overlap for r in bf16_runs),
@@ -236,7 +301,7 @@ def certify(
         f"seam: {twin['f32']} B/token f32, {twin['bf16']} B/token bf16 "
         f"(hc {whole['hc']} x n_embd {whole['n_embd']})"
     )
-    relayed = {w.wire_dtype: w.seam_bytes_per_token for w in over if w.mode == "relay"}
+    relayed = {w.wire_dtype: w.seam_bytes_per_token for w in plain if w.mode == "relay"}
     metrics["measured_wire_bytes_per_token_per_seam"] = relayed.get("f32")
     metrics["measured_wire_bytes_per_token_per_seam_bf16"] = relayed.get("bf16")
     if relayed:
@@ -294,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in results.items()
         if not r["metrics"]["in_process_f32_all_bitwise"]
         or r["metrics"]["workers_all_bitwise"] is False
+        or r["metrics"]["workers_lookup_greedy_identical"] is False
     ]
     for name in failed:
         print(f"PARITY FAILED: {name}: an f32 layout differs from the single-process run")

@@ -19,7 +19,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import numpy as np
@@ -311,6 +311,8 @@ class Route:
                 ) from exc
             stages.append(Stage(i, address, channel, stub, describe, security.metadata))
         check_route(stages)
+        if draft.on:
+            draft = fit_draft(draft, stages)
         for stage in stages[1:]:
             if BY_NAME.get(wire_dtype) not in stage.describe.boundary.dtypes:
                 raise RouteError(
@@ -333,9 +335,11 @@ class Route:
         for result in self.results(prompt, max_tokens, sampling, stop):
             yield int(result.token_id)
 
-    def trace(self, prompt: list[int], max_tokens: int) -> Iterator[tuple[int, np.ndarray]]:
+    def trace(
+        self, prompt: list[int], max_tokens: int, usage: DraftUsage | None = None
+    ) -> Iterator[tuple[int, np.ndarray]]:
         """Greedy generation yielding (token, the tail's f32 logits it was chosen from)."""
-        for result in self.results(prompt, max_tokens, Sampling(want_logits=True)):
+        for result in self.results(prompt, max_tokens, Sampling(want_logits=True), usage=usage):
             yield int(result.token_id), decode_logits(result.logits)
 
     def results(
@@ -531,6 +535,21 @@ def prefill_plan(n_history: int, chunk: int, prompt_len: int | None = None) -> l
     return chunks(prompt_len, chunk) + [
         slice(s.start + prompt_len, s.stop + prompt_len) for s in replay
     ]
+
+
+def fit_draft(draft: Draft, stages: list[Stage]) -> Draft:
+    """`draft` with max_draft within what every stage can roll back (Describe.max_rollback: a
+    step may reject every draft); a stage that cannot roll back at all refuses drafting."""
+    for stage in stages:
+        if stage.describe.max_rollback == 0:
+            raise RouteError(
+                stage.index,
+                stage.address,
+                "cannot drop rejected drafts (its state is not positional and it keeps no "
+                "snapshots: start it with --rollback N)",
+            )
+    limit = min(s.describe.max_rollback for s in stages)
+    return replace(draft, max_draft=min(draft.max_draft, limit))
 
 
 def check_mode(mode: str) -> None:

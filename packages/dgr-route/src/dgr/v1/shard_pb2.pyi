@@ -64,7 +64,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("compatibility", "layer_first", "layer_last", "boundary", "n_ctx", "max_sessions", "max_tokens_per_message", "max_message_bytes")
+    __slots__ = ("compatibility", "layer_first", "layer_last", "boundary", "n_ctx", "max_sessions", "max_tokens_per_message", "max_message_bytes", "max_rollback")
     COMPATIBILITY_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIRST_FIELD_NUMBER: _ClassVar[int]
     LAYER_LAST_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class DescribeReply(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     compatibility: CompatibilityDescriptor
     layer_first: int
     layer_last: int
@@ -81,7 +82,8 @@ class DescribeReply(_message.Message):
     max_sessions: int
     max_tokens_per_message: int
     max_message_bytes: int
-    def __init__(self, compatibility: _Optional[_Union[CompatibilityDescriptor, _Mapping]] = ..., layer_first: _Optional[int] = ..., layer_last: _Optional[int] = ..., boundary: _Optional[_Union[BoundarySpec, _Mapping]] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tokens_per_message: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    max_rollback: int
+    def __init__(self, compatibility: _Optional[_Union[CompatibilityDescriptor, _Mapping]] = ..., layer_first: _Optional[int] = ..., layer_last: _Optional[int] = ..., boundary: _Optional[_Union[BoundarySpec, _Mapping]] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tokens_per_message: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_rollback: _Optional[int] = ...) -> None: ...
 
 class CacheExpectation(_message.Message):
     __slots__ = ("epoch", "n_past", "prefix_hash", "truncate")
