@@ -200,6 +200,12 @@ def certify(session: nox.Session) -> None:
     session.run("python", "-m", "dgr_cert.certify", *session.posargs)
 
 
+@nox.session(name="lane-probe", python=False)
+def lane_probe(session: nox.Session) -> None:
+    """A non-CPU lane's routes against the CPU lane (`-- --lane vulkan`): NMSE per step, greedy."""
+    session.run("python", "-m", "dgr_cert.lane_probe", *session.posargs)
+
+
 @nox.session(python=False)
 def demo(session: nox.Session) -> None:
     """Main job: the default model split into shards, streaming generation and a parity check."""

@@ -38,6 +38,7 @@ struct Args {
     int poll = 0;      // ggml threadpool spin level between graphs (0 sleeps, 100 spins)
     int prio = 0;      // compute threads' priority, as llama.cpp's --prio (0 normal .. 3 realtime)
     int rollback = 16; // rejected drafts one forward may drop where state is not positional (V4)
+    int gpu_layers = 0; // owned layers on the lane's device (-1: all; the CPU lane has none)
     bool mtp = false;  // serve MTP (nextn) layers: reserved, the engine refuses it in alpha
     bool warmup = true;
     int keepalive_ms = dgr::worker::kKeepaliveMs;  // every link, both sides
@@ -108,6 +109,7 @@ void parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--poll") a.poll = to_int(k, val(), 0, 100);
         else if (k == "--prio") a.prio = to_int(k, val(), 0, 3);
         else if (k == "--rollback") a.rollback = to_int(k, val(), 0, 64);
+        else if (k == "--gpu-layers") a.gpu_layers = to_int(k, val(), -1, 4096);
         else if (k == "--mtp") a.mtp = true;
         else if (k == "--no-warmup") a.warmup = false;
         else if (k == "--compute-slots") a.compute_slots = val();
@@ -175,7 +177,7 @@ int main(int argc, char ** argv) {
                   << "usage: dgr-shard-worker --model PATH --layers FIRST:LAST [--listen HOST:PORT] [--threads N]\n"
                      "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--max-batch N]\n"
                      "  [--model-fingerprint HEX] [--recipe-id ID] [--drain-seconds N] [--version]\n"
-                     "  [--poll 0-100] [--prio 0-3] [--rollback 0-64] [--no-warmup] [--compute-slots DIR|auto|none] [--mtp] [--auth-token-file F]\n"
+                     "  [--poll 0-100] [--prio 0-3] [--rollback 0-64] [--gpu-layers N|-1] [--no-warmup] [--compute-slots DIR|auto|none] [--mtp] [--auth-token-file F]\n"
                      "  [--metrics-listen HOST:PORT]\n"
                      "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F] [--keepalive-ms N]\n";
         return 2;
@@ -193,6 +195,7 @@ int main(int argc, char ** argv) {
         o.poll = args.poll;
         o.prio = args.prio;
         o.rollback = args.rollback;
+        o.gpu_layers = args.gpu_layers;
         o.load_mtp = args.mtp;
         engine = dgr::ShardEngine::open(o);
         if (args.warmup) warm_up(*engine);

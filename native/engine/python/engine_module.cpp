@@ -161,7 +161,7 @@ PYBIND11_MODULE(_dgr_engine, m) {
     py::class_<PyEngine>(m, "Engine")
         .def(py::init([](const std::string & model_path, int32_t layer_first, int32_t layer_last, int32_t n_threads,
                          int32_t n_ctx, int32_t n_batch, int32_t max_sessions, int32_t poll, bool load_mtp,
-                         bool estimate_only) {
+                         bool estimate_only, int32_t gpu_layers) {
                  dgr::EngineOptions o;
                  o.model_path = model_path;
                  o.layer_first = layer_first;
@@ -172,12 +172,14 @@ PYBIND11_MODULE(_dgr_engine, m) {
                  o.max_sessions = max_sessions;
                  o.poll = poll;
                  o.load_mtp = load_mtp;
+                 o.gpu_layers = gpu_layers;
                  o.estimate_only = estimate_only;
                  return std::make_unique<PyEngine>(o);
              }),
              py::arg("model_path"), py::arg("layer_first") = 0, py::arg("layer_last") = -1, py::arg("n_threads") = 2,
              py::arg("n_ctx") = 2048, py::arg("n_batch") = 512, py::arg("max_sessions") = 4,
-             py::arg("poll") = 50, py::arg("load_mtp") = false, py::arg("estimate_only") = false)
+             py::arg("poll") = 50, py::arg("load_mtp") = false, py::arg("estimate_only") = false,
+             py::arg("gpu_layers") = 0)
         .def("describe", &PyEngine::describe)
         .def("forward", &PyEngine::forward, py::arg("session"), py::arg("epoch"), py::arg("n_past"),
              py::arg("tokens") = py::none(), py::arg("boundary") = py::none(), py::arg("logits_all") = false,

@@ -254,7 +254,7 @@ public:
         }
 
         llama_model_params mparams = llama_model_default_params();
-        mparams.n_gpu_layers = 0;
+        mparams.n_gpu_layers = options.gpu_layers < 0 ? 999 : options.gpu_layers;
         mparams.dgr_layer_first = first;
         mparams.dgr_layer_last = last;
         // read owned tensors into their own buffers: a mapped (and prefetched) file would page in

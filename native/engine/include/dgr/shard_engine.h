@@ -69,6 +69,8 @@ struct EngineOptions {
     int32_t prio = 0;           // compute threads' scheduling priority, as llama.cpp's --prio:
                                 // 0 normal, 1 medium, 2 high, 3 realtime (SCHED_FIFO; needs
                                 // CAP_SYS_NICE, else ggml warns and keeps normal)
+    int32_t gpu_layers = 0;     // owned layers offloaded to the lane's device (CUDA, Vulkan, ...):
+                                // 0 none (the CPU lane has no device), -1 all
     int32_t rollback = 16;      // speculative decoding: positions one truncation may drop in a
                                 // model whose state is not positional (DeepSeek V4), through
                                 // that many state snapshots per session (llama.cpp n_rs_seq)

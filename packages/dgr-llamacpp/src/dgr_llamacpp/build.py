@@ -21,6 +21,7 @@ from typing import TextIO
 from dgr_prd.downloads import cache_dir
 
 from dgr_llamacpp.fetch import fetch
+from dgr_llamacpp.lanedeps import lane_cmake_args
 from dgr_llamacpp.patches import apply_stack
 from dgr_llamacpp.workspace import NativeWorkspace
 
@@ -131,7 +132,7 @@ def build(
     pristine = fetch(ws.pin, ws.root, log)
     source, _ = apply_stack(pristine, ws.patched, ws.patches)
     build = build_dir(ws, lane)
-    configure(cmake_args(source, build, lane), build, log)
+    configure([*cmake_args(source, build, lane), *lane_cmake_args(ws.repo.root, lane)], build, log)
     jobs = str(os.cpu_count() or 2)
     run_step(
         [

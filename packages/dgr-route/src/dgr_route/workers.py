@@ -86,11 +86,12 @@ def start_worker(
     descriptor: list[str] | None = None,
     timeout: float = 120.0,
     cwd: Path | None = None,
+    lane: str = "cpu",
 ) -> WorkerProcess:
     from dgr_native.build import worker_binary
 
     cmd = [
-        str(worker_binary()),
+        str(worker_binary(lane)),
         "--model",
         str(model),
         "--layers",

@@ -1,0 +1,141 @@
+"""`nox -s lane-probe -- --lane vulkan`: a non-CPU lane's routes against the CPU lane in one
+process, before any certification (issue 16).
+
+Workers built for the lane (`dgr-native build --lane L`) serve each layout with every owned layer
+on the lane's device (`--gpu-layers -1`); the route's logits are compared step by step with the
+CPU lane's whole model in this process on the same prompt. Each step's NMSE is reported, with
+top-1 agreement and greedy identity, against issue 16's certification bar (NMSE <= 1e-4, greedy
+tokens equal). A step after the first greedy divergence compares different contexts, so only
+the steps up to it count. Writes evidence/bench/lane-<lane>.json. This probes, and certifies
+nothing: records come from `nox -s certify`.
+
+Mesa's lavapipe (`llvmpipe`) is a Vulkan device of type CPU, which ggml-vulkan skips unless it is
+named: the probe sets GGML_VK_VISIBLE_DEVICES=0 when nothing else is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+from dgr_native.parity import reference_run
+from dgr_prd.metrics import report
+from dgr_prd.paths import find_root
+from dgr_route.route import Route
+from dgr_route.workers import descriptor_args, start_worker
+
+BAR_NMSE = 1e-4
+LAYOUTS = {"smollm2-135m-q4_1": [[(0, 30)], [(0, 15), (15, 30)], [(0, 10), (10, 20), (20, 30)]]}
+DECODE = 16
+
+
+def nmse(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.sum((got - want) ** 2) / np.sum(want**2))
+
+
+def device_name() -> str:
+    """The Vulkan device as its driver reports it (vulkaninfo), or what is missing."""
+    if shutil.which("vulkaninfo") is None:
+        return "unknown (vulkaninfo not installed: apt-get install vulkan-tools)"
+    out = subprocess.run(
+        ["vulkaninfo", "--summary"], capture_output=True, text=True, timeout=60
+    ).stdout
+    names = [line.split("=", 1)[1].strip() for line in out.splitlines() if "deviceName" in line]
+    return names[0] if names else "none"
+
+
+def probe(lane: str, name: str, layout: list[tuple[int, int]]) -> dict[str, Any]:
+    from dgr_artifacts.models import model_path
+
+    model = model_path(name)
+    prompt, ref_logits, ref_tokens = reference_run(model, DECODE)
+    descriptor = descriptor_args(model)
+    workers = [
+        start_worker(
+            model, a, b, descriptor=descriptor, n_ctx=512, lane=lane, extra=["--gpu-layers", "-1"]
+        )
+        for a, b in layout
+    ]
+    try:
+        route = Route.open([w.address for w in workers], timeout=600)
+        lanes = [s.describe.compatibility.lane for s in route.stages]
+        t0 = time.perf_counter()
+        trace = list(route.trace([int(t) for t in prompt], len(ref_logits)))
+        seconds = time.perf_counter() - t0
+        route.close()
+    finally:
+        for w in workers:
+            w.stop()
+    tokens = [t for t, _ in trace]
+    differ = [i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b]
+    same = differ[0] if differ else len(tokens)
+    # step i's logits follow the same context while every token before it agreed
+    steps = [nmse(trace[i][1], ref_logits[i]) for i in range(min(same + 1, len(trace)))]
+    return {
+        "model": name,
+        "layout": layout,
+        "stage_lanes": lanes,
+        "steps_compared": len(steps),
+        "nmse_per_step": [round(v, 8) for v in steps],
+        "nmse_max": max(steps),
+        "top1_first_step_equal": bool(int(np.argmax(trace[0][1])) == int(np.argmax(ref_logits[0]))),
+        "greedy_identical": tokens == ref_tokens,
+        "first_divergence": same if same < len(tokens) else None,
+        "seconds": round(seconds, 2),
+        "meets_bar": max(steps) <= BAR_NMSE and tokens == ref_tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dgr_cert.lane_probe")
+    parser.add_argument("--lane", required=True, choices=["vulkan", "cuda"])
+    args = parser.parse_args(argv)
+    if args.lane == "vulkan":
+        os.environ.setdefault("GGML_VK_VISIBLE_DEVICES", "0")
+    rows = [
+        probe(args.lane, name, layout) for name, layouts in LAYOUTS.items() for layout in layouts
+    ]
+    for r in rows:
+        greedy = (
+            "identical" if r["greedy_identical"] else f"diverges at step {r['first_divergence']}"
+        )
+        print(
+            f"{r['model']} {r['layout']}: NMSE per step {r['nmse_per_step'][:4]}... "
+            f"max {r['nmse_max']:.2e} over {r['steps_compared']} steps, greedy "
+            f"{greedy}, "
+            f"{r['seconds']} s; bar (NMSE <= {BAR_NMSE:g}, tokens equal): "
+            f"{'met' if r['meets_bar'] else 'MISSED'}",
+            flush=True,
+        )
+    result = {
+        "lane": args.lane,
+        "device": device_name(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith("GGML_VK_")},
+        "bar": {"nmse_max": BAR_NMSE, "greedy_identical": True},
+        "rows": rows,
+        "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    out = find_root().evidence / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"lane-{args.lane}.json").write_text(json.dumps(result, indent=2) + "\n")
+    report(
+        f"lane_{args.lane}",
+        {
+            "nmse_max": max(r["nmse_max"] for r in rows),
+            "greedy_identical_all": all(r["greedy_identical"] for r in rows),
+            "meets_bar": all(r["meets_bar"] for r in rows),
+        },
+    )
+    print(f"device: {result['device']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
