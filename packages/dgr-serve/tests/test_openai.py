@@ -17,7 +17,7 @@ import httpx2 as httpx
 import openai
 import pytest
 import uvicorn
-from dgr_route.route import Route
+from dgr_route.route import Draft, Route
 from dgr_route.tokenizer import Tokenizer
 from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_serve.openai_server import create_app
@@ -419,3 +419,28 @@ def test_admission_queue_answers_429(route: Route, tokenizer: Tokenizer) -> None
         waiter.join(60)
         assert queued and queued[0].status_code == 200
         assert httpx.get(f"{url}/health").json()["running"] == 0
+
+
+def test_drafted_completions_report_accepted_predictions(
+    client: openai.OpenAI, workers: list[WorkerProcess], tokenizer: Tokenizer
+) -> None:
+    """`dgr serve --draft lookup`: the same text as plain decode, and the usage counts the
+    drafts the route kept and rejected in OpenAI's fields for predicted tokens."""
+    quote = "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins."
+    prompt = f"Repeat the following text exactly.\n\n{quote}\n\nRepeated text:\n"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert plain.usage is not None and plain.usage.completion_tokens_details is not None
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    drafted_route = Route.open([w.address for w in workers], draft=Draft("lookup"))
+    try:
+        with serving(create_app(drafted_route, tokenizer, MODEL)) as url:
+            drafted_client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+            got = drafted_client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=24, temperature=0
+            )
+    finally:
+        drafted_route.close()
+    assert got.choices[0].text == plain.choices[0].text
+    details = got.usage.completion_tokens_details if got.usage else None
+    assert details is not None and (details.accepted_prediction_tokens or 0) > 0
+    assert details.rejected_prediction_tokens is not None
