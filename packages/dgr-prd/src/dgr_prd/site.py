@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt
 
 from dgr_prd.evidence import EvidenceRecord, Result, all_records, story_dir
 from dgr_prd.handoff import flatten_metrics, hardware_line
-from dgr_prd.model import Prd, Status, Story
+from dgr_prd.model import Lane, Prd, Status, Story
 from dgr_prd.paths import RepoPaths
 from dgr_prd.projections import story_body
 
@@ -363,6 +363,55 @@ def _soak_plot(samples: list[dict[str, Any]], warmup_s: float, out: Path) -> Non
     )
 
 
+# what the evidence cannot say about a lane that never ran here
+LANE_NOTES = {
+    "cpu": "built by every test run (DGR-034)",
+    "cuda": "planned: needs nvcc and a GPU to certify (issue 16)",
+    "rocm": "planned: no ROCm toolchain on these machines",
+    "vulkan": "built with `dgr-native build --lane vulkan` (lane-deps.json)",
+    "metal": "planned: Apple silicon only",
+}
+
+
+def render_lanes(paths: RepoPaths) -> list[str]:
+    """One row per lane: how it is built, the device its probe ran on and its verdict
+    (evidence/bench/lane-<lane>.json), and its passing certification records."""
+    lines = [
+        "## Lanes",
+        "",
+        "A worker advertises a lane only with a passing record for its exact descriptor and "
+        "hardware. A probe (`nox -s lane-probe -- --lane LANE`) compares a lane's routes with the "
+        "CPU lane before any certification.",
+        "",
+        "| lane | build | device (probe) | probe: NMSE max, greedy | certified records |",
+        "|---|---|---|---|---|",
+    ]
+    for lane in Lane:
+        probe = paths.evidence / "bench" / f"lane-{lane.value}.json"
+        device, verdict = ("host CPU", "reference") if lane == Lane.CPU else ("-", "-")
+        if probe.exists():
+            p = json.loads(probe.read_text(encoding="utf-8"))
+            device = p["device"]
+            rows = p["rows"]
+            worst = max(r["nmse_max"] for r in rows)
+            greedy = "identical" if all(r["greedy_identical"] for r in rows) else "diverges"
+            met = "meets" if all(r["meets_bar"] for r in rows) else "misses"
+            verdict = f"{worst:.1e}, {greedy} ({met} the bar, {p['measured_utc']})"
+        passing = [
+            r
+            for r in (
+                json.loads(f.read_text(encoding="utf-8"))
+                for f in sorted((paths.root / "certification" / lane.value).glob("*.json"))
+            )
+            if r.get("passed")
+        ]
+        certified = ", ".join(r["model"] for r in passing) or "none"
+        lines.append(
+            f"| {lane.value} | {LANE_NOTES[lane.value]} | {device} | {verdict} | {certified} |"
+        )
+    return [*lines, ""]
+
+
 def render_lane_records(paths: RepoPaths) -> list[str]:
     """certification/<lane>/*.json: the sealed records a worker's advertised lanes come from."""
     records = sorted((paths.root / "certification").glob("*/*.json"))
@@ -398,6 +447,7 @@ def render_certification(paths: RepoPaths, plots: Path) -> str:
         "`nox -s soak` (load over time) and `nox -s fuzz` (libFuzzer over the worker's "
         "decoders). Raw JSON: `evidence/chaos/`, `evidence/soak/`, `evidence/fuzz/`.",
         "",
+        *render_lanes(paths),
         *render_lane_records(paths),
     ]
     chaos = paths.evidence / "chaos" / "chaos.json"

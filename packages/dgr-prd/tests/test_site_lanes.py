@@ -1,0 +1,37 @@
+"""The evidence site's lane table: one row per lane, the probe's device and verdict where a probe
+ran, and only passing certification records counted as certified."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from dgr_prd.model import Lane
+from dgr_prd.paths import RepoPaths
+from dgr_prd.site import render_lanes
+
+
+def test_every_lane_has_one_row(repo: RepoPaths) -> None:
+    rows = [line for line in render_lanes(repo) if line.startswith("| ") and "---" not in line]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == [lane.value for lane in Lane]
+
+
+def test_a_probe_and_a_failed_record_show_as_what_they_are(repo_copy: RepoPaths) -> None:
+    bench = repo_copy.evidence / "bench"
+    bench.mkdir(parents=True, exist_ok=True)
+    (bench / "lane-vulkan.json").write_text(
+        json.dumps(
+            {
+                "device": "llvmpipe (test)",
+                "measured_utc": "2026-12-02T00:00:00Z",
+                "rows": [{"nmse_max": 7.7e-4, "greedy_identical": False, "meets_bar": False}],
+            }
+        )
+    )
+    shutil.rmtree(repo_copy.root / "certification" / "vulkan", ignore_errors=True)
+    failed = repo_copy.root / "certification" / "vulkan" / "vulkan-x.json"
+    failed.parent.mkdir(parents=True)
+    failed.write_text(json.dumps({"model": "m", "passed": False}))
+    [row] = [line for line in render_lanes(repo_copy) if line.startswith("| vulkan |")]
+    assert "llvmpipe (test)" in row and "7.7e-04, diverges (misses the bar" in row
+    assert row.rstrip().endswith("| none |")  # a failed record certifies nothing
