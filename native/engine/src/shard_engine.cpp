@@ -208,10 +208,11 @@ struct Session {
     llama_seq_id seq = -1;
     uint64_t epoch = 0;
     int32_t n_past = 0;
-    uint64_t hash = kPrefixHashSeed;  // prefix hash of the tokens in the cache
-    bool hash_known = true;           // false once a forward came without its token ids
-    std::vector<uint64_t> hashes{kPrefixHashSeed};  // while hash_known: hashes[i] after i tokens,
-                                                    // what a truncation to i restores
+    // prefix hashes of the cached tokens, hashes[i] after i of them (what a truncation to i
+    // restores); empty once a forward came without its token ids, when the hash is unknown
+    std::vector<uint64_t> hashes{kPrefixHashSeed};
+    bool hash_known() const { return !hashes.empty(); }
+    uint64_t hash() const { return hashes.back(); }
 };
 
 class LlamaShardEngine final : public ShardEngine {
@@ -429,8 +430,8 @@ public:
                                                            std::to_string(s.n_past) + " + " + std::to_string(req.n_tokens) +
                                                            " tokens would exceed n_ctx " + std::to_string(options_.n_ctx));
                 }
-                if (req.tokens != nullptr && req.prefix_hash != 0 && s.n_past > 0 && s.hash_known &&
-                    req.prefix_hash != s.hash) {
+                if (req.tokens != nullptr && req.prefix_hash != 0 && s.n_past > 0 && s.hash_known() &&
+                    req.prefix_hash != s.hash()) {
                     throw ShardError(Status::cache_mismatch,
                                      "prefix hash differs from this shard's (its KV holds another token history)");
                 }
@@ -498,18 +499,15 @@ public:
         for (const Live & l : live) {
             const ForwardRequest & req = l.item->request;
             l.session->n_past += req.n_tokens;
-            if (req.tokens != nullptr && l.session->hash_known) {
-                for (int32_t i = 0; i < req.n_tokens; ++i) {
-                    l.session->hash = prefix_hash(l.session->hash, req.tokens + i, 1);
-                    l.session->hashes.push_back(l.session->hash);
-                }
+            std::vector<uint64_t> & hashes = l.session->hashes;
+            if (req.tokens != nullptr && l.session->hash_known()) {
+                for (int32_t i = 0; i < req.n_tokens; ++i) hashes.push_back(prefix_hash(hashes.back(), req.tokens + i, 1));
             } else {
-                l.session->hash_known = false;
-                l.session->hashes.clear();
+                hashes.clear();
             }
             ForwardResult & out = l.item->result;
             out.n_past = l.session->n_past;
-            out.prefix_hash = l.session->hash_known ? l.session->hash : 0;
+            out.prefix_hash = l.session->hash_known() ? l.session->hash() : 0;
             if (desc_.is_tail) {
                 const int32_t n_rows = req.logits_all ? req.n_tokens : 1;
                 out.is_logits = true;
@@ -613,8 +611,6 @@ private:
             llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, -1, -1);
             s.epoch = req.epoch;
             s.n_past = 0;
-            s.hash = kPrefixHashSeed;
-            s.hash_known = true;
             s.hashes.assign(1, kPrefixHashSeed);
             recount();
         }
@@ -628,10 +624,7 @@ private:
                                                              " tokens (this model's state is not positional): re-prefill");
             }
             s.n_past = req.n_past;
-            if (s.hash_known) {
-                s.hashes.resize((size_t) s.n_past + 1);
-                s.hash = s.hashes.back();
-            }
+            if (s.hash_known()) s.hashes.resize((size_t) s.n_past + 1);
             recount();
         }
         if (req.n_past != s.n_past) {
