@@ -283,7 +283,6 @@ void ShardService::verify(const dgr::v1::ForwardRequest & req, const dgr::Forwar
     // produced it, and the first row that disagrees gives the token plain decode produces there
     thread_local TailSampler sampler;
     const int32_t n_draft = (int32_t) req.n_draft();
-    const int32_t before = res.n_past - (res.n_rows > 1 ? res.n_rows : 1);  // n_past before this forward
     const int32_t first_row = res.n_rows - 1 - n_draft;                   // the last accepted token's row
     int32_t accepted = 0;
     for (int32_t i = 0; i <= n_draft; ++i) {
@@ -304,12 +303,12 @@ void ShardService::verify(const dgr::v1::ForwardRequest & req, const dgr::Forwar
     if (n_draft == 0) return;
     // the session now holds the last token and the accepted drafts; the rejected ones go at the
     // next forward of every stage (CacheExpectation.truncate)
-    const int32_t kept = res.n_past - n_draft + accepted;
-    reply->set_n_past((uint32_t) kept);
+    reply->set_n_past((uint32_t) (res.n_past - n_draft + accepted));
+    // the kept history: what the request expected, then this request's tokens up to the last
+    // accepted draft (validation guarantees the ids: n_draft < token_ids)
     uint64_t hash = req.expect().prefix_hash();
     if (hash != 0) {
-        const int32_t n_new = kept - before;
-        hash = dgr::prefix_hash(hash, req.token_ids().data() + (req.token_ids_size() - n_draft - 1), (size_t) n_new);
+        hash = dgr::prefix_hash(hash, req.token_ids().data(), (size_t) (req.token_ids_size() - n_draft + accepted));
     }
     reply->set_prefix_hash(hash);
     reply->set_drafted((uint32_t) n_draft);

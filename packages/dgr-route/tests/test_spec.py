@@ -241,3 +241,34 @@ def test_a_stage_that_cannot_roll_back_refuses_drafting(
     route = Route.open([workers[(0, 30)].address], draft=Draft("lookup", max_draft=16))
     assert route.stages[0].describe.max_rollback == 512 and route.draft.max_draft == 16
     route.close()
+
+
+def test_a_relay_request_verifies_drafts_after_a_longer_prefix(
+    workers: dict[tuple[int, int], WorkerProcess], quote: list[int]
+) -> None:
+    """Drafts at the end of a multi-token request (a client in relay mode may send them): the
+    kept history is the request's tokens up to the last accepted draft, and its prefix hash is
+    theirs, continuing from the expectation."""
+    stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(workers[(0, 30)].address))
+    tokens = quote[:40]
+    drafts = quote[40:44]
+    [reply] = list(
+        stub.Forward(
+            iter(
+                [
+                    pb.ForwardRequest(
+                        session_id=901,
+                        expect=pb.CacheExpectation(epoch=1, prefix_hash=FNV_OFFSET),
+                        token_ids=tokens + drafts,
+                        n_draft=len(drafts),
+                    )
+                ]
+            ),
+            timeout=30,
+        )
+    )
+    stub.CloseSession(pb.CloseSessionRequest(session_id=901), timeout=10)
+    accepted = len(reply.more_tokens)
+    assert reply.accepted == accepted and reply.drafted == len(drafts)
+    assert reply.n_past == len(tokens) + accepted
+    assert reply.prefix_hash == prefix_hash(tokens + drafts[:accepted], FNV_OFFSET)
