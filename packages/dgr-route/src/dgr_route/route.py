@@ -275,8 +275,7 @@ class Route:
             self.peers = [s.address for s in self.stages]
         if len(self.peers) != len(self.stages):
             raise ValueError(f"{len(self.peers)} peer addresses for {len(self.stages)} stages")
-        if self.draft.on and self.mode != "forward":
-            raise ValueError("speculative decoding (draft) needs forward mode: the head drafts")
+        check_draft(self.draft, self.mode)
         self.n_layer = self.stages[0].describe.compatibility.n_layer
         self.wire = SeamTraffic()
 
@@ -295,8 +294,7 @@ class Route:
         check_wire_dtype(wire_dtype)  # before connecting to anything
         check_mode(mode)
         draft = draft or Draft()
-        if draft.on and mode != "forward":
-            raise ValueError("speculative decoding (draft) needs forward mode: the head drafts")
+        check_draft(draft, mode)
         stages = []
         for i, address in enumerate(addresses):
             channel = security.channel(address)
@@ -555,6 +553,11 @@ def fit_draft(draft: Draft, stages: list[Stage]) -> Draft:
 def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"route mode {mode!r} is not one of {', '.join(MODES)}")
+
+
+def check_draft(draft: Draft, mode: str) -> None:
+    if draft.on and mode != "forward":
+        raise ValueError("speculative decoding (draft) needs forward mode: the head drafts")
 
 
 def check_wire_dtype(name: str) -> None:
