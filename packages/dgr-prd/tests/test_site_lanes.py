@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+from dgr_prd.metrics import write_bench
 from dgr_prd.model import Lane
 from dgr_prd.paths import RepoPaths
 from dgr_prd.site import render_lanes
@@ -35,3 +37,20 @@ def test_a_probe_and_a_failed_record_show_as_what_they_are(repo_copy: RepoPaths)
     [row] = [line for line in render_lanes(repo_copy) if line.startswith("| vulkan |")]
     assert "llvmpipe (test)" in row and "7.7e-04, diverges (misses the bar" in row
     assert row.rstrip().endswith("| none |")  # a failed record certifies nothing
+
+
+def test_a_bench_result_lands_where_the_site_and_the_gates_read_it(
+    repo_copy: RepoPaths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DGR_REPO_ROOT", str(repo_copy.root))
+    path = write_bench(
+        "lane-vulkan",
+        {
+            "device": "d",
+            "measured_utc": "t",
+            "rows": [{"nmse_max": 1e-5, "greedy_identical": True, "meets_bar": True}],
+        },
+    )
+    assert path == repo_copy.evidence / "bench" / "lane-vulkan.json"
+    [row] = [line for line in render_lanes(repo_copy) if line.startswith("| vulkan |")]
+    assert "| d | 1.0e-05, identical (meets the bar, t) |" in row

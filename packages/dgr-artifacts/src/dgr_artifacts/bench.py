@@ -6,7 +6,6 @@ ratio and writes JSON into evidence/bench/ (and into the story's metrics under t
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
@@ -14,8 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dgr_prd.metrics import report
-from dgr_prd.paths import find_root
+from dgr_prd.metrics import report, write_bench
 
 from dgr_artifacts.manifest import DEFAULT_CHUNK, FileEntry, hash_file
 from dgr_artifacts.models import model_path
@@ -81,9 +79,7 @@ def main() -> int:
     print(f"{'sha256sum':<22}{ref:>10.3f}{size_mib / ref:>10.1f}")
     print(f"{'dgr verify (resumable)':<22}{dgr:>10.3f}{size_mib / dgr:>10.1f}")
     print(f"ratio dgr/sha256sum throughput: {ratio:.3f} (target >= 0.8)")
-    out_dir = find_root().evidence / "bench"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench-verify.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_bench("bench-verify", results)
     report("bench", results)
     return 0 if ratio >= 0.8 else 1
 

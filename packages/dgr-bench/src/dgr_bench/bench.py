@@ -30,8 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dgr_prd.metrics import report
-from dgr_prd.paths import find_root
+from dgr_prd.metrics import report, write_bench
 from dgr_route.route import MODES, Route
 from dgr_route.workers import descriptor_args, start_worker
 
@@ -399,9 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     results["gate_threads"] = GATE_THREADS
     results["gate_metrics"] = {"bench": gate}  # what `dgr-prd gate alpha` reads
     results["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    out_dir = find_root().evidence / "bench"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench-route.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_bench("bench-route", results)
     report("bench", {k: round(v, 4) for k, v in gate.items()})
     return 0
 

@@ -11,13 +11,11 @@ per token per seam in bf16, plus the token-id sideband. Writes evidence/bench/be
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
 import numpy as np
-from dgr_prd.metrics import report
-from dgr_prd.paths import find_root
+from dgr_prd.metrics import report, write_bench
 from dgr_route.codec import REAL_V4, seam_bytes
 from dgr_route.route import Route, SeamTraffic
 from dgr_route.workers import descriptor_args, start_worker
@@ -110,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         f"real DeepSeek V4: {real['bf16']} B = {real['bf16'] // 1024} KiB per token per seam in "
         f"bf16 ({real['f32'] // 1024} KiB in f32), plus {real['token_id_sideband']} B of token id"
     )
-    out = find_root().evidence / "bench"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench-seams.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_bench("bench-seams", results)
     report("bench_seams", results)
     return 0
 

@@ -30,8 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from dgr_prd.metrics import report
-from dgr_prd.paths import find_root
+from dgr_prd.metrics import report, write_bench
 from dgr_route.route import Route
 from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
 
@@ -274,9 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             w.stop()
     result["gate_metrics"] = {name.replace("-", "_"): gate}  # what `dgr-prd gate alpha` reads
     result["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    out = find_root().evidence / "bench"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_bench(name, result)
     report(name.replace("-", "_"), gate)
     if args.seam_model and result["worst_relative_error"] > 0.2:
         print(f"SEAM MODEL OFF: worst error {result['worst_relative_error']:.1%} > 20%")

@@ -14,7 +14,6 @@ Writes evidence/bench/bench-plan.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -214,8 +213,7 @@ def run_scenario(
 def main(argv: list[str] | None = None) -> int:
     from dgr_artifacts.manifest import build_manifest
     from dgr_artifacts.models import model_path
-    from dgr_prd.metrics import report
-    from dgr_prd.paths import find_root
+    from dgr_prd.metrics import report, write_bench
 
     parser = argparse.ArgumentParser(prog="python -m dgr_bench.plan")
     parser.add_argument("--model", default="smollm2-135m-q4_1")
@@ -260,9 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         "median_relative_error": round(statistics.median(r["relative_error"] for r in rows), 4),
         "passes": ok,
     }
-    out = find_root().evidence / "bench"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench-plan.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_bench("bench-plan", result)
     report(
         "bench_plan",
         {

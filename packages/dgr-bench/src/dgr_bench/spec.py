@@ -21,14 +21,12 @@ docs/mtp.md says what it needs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from typing import Any
 
-from dgr_prd.metrics import report
-from dgr_prd.paths import find_root
+from dgr_prd.metrics import report, write_bench
 from dgr_route.route import Draft, DraftUsage, Route
 from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
 
@@ -156,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     gate["lookup_speedup_min"] = min(gate.values())
     result["gate_metrics"] = {"bench_spec": gate}
     result["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    out = find_root().evidence / "bench"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench-spec.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_bench("bench-spec", result)
     report("bench_spec", gate)
     return 0
 

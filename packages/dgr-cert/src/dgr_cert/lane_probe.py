@@ -16,7 +16,6 @@ named: the probe sets GGML_VK_VISIBLE_DEVICES=0 when nothing else is set.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -26,8 +25,7 @@ from typing import Any
 
 import numpy as np
 from dgr_native.parity import reference_run
-from dgr_prd.metrics import report
-from dgr_prd.paths import find_root
+from dgr_prd.metrics import report, write_bench
 from dgr_route.route import Route
 from dgr_route.workers import descriptor_args, start_worker
 
@@ -51,11 +49,18 @@ def device_name() -> str:
     return names[0] if names else "none"
 
 
-def probe(lane: str, name: str, layout: list[tuple[int, int]]) -> dict[str, Any]:
+def probe(
+    lane: str,
+    name: str,
+    layout: list[tuple[int, int]],
+    reference: tuple[np.ndarray, list[np.ndarray], list[int]],
+) -> dict[str, Any]:
+    """One layout of `name` on `lane` against `reference`, the CPU lane's (prompt, logits,
+    tokens) in this process."""
     from dgr_artifacts.models import model_path
 
     model = model_path(name)
-    prompt, ref_logits, ref_tokens = reference_run(model, DECODE)
+    prompt, ref_logits, ref_tokens = reference
     descriptor = descriptor_args(model)
     workers = [
         start_worker(
@@ -99,9 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.lane == "vulkan":
         os.environ.setdefault("GGML_VK_VISIBLE_DEVICES", "0")
-    rows = [
-        probe(args.lane, name, layout) for name, layouts in LAYOUTS.items() for layout in layouts
-    ]
+    from dgr_artifacts.models import model_path
+
+    rows = []
+    for name, layouts in LAYOUTS.items():
+        reference = reference_run(model_path(name), DECODE)  # once per model, not per layout
+        rows += [probe(args.lane, name, layout, reference) for layout in layouts]
     for r in rows:
         greedy = (
             "identical" if r["greedy_identical"] else f"diverges at step {r['first_divergence']}"
@@ -122,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out = find_root().evidence / "bench"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"lane-{args.lane}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_bench(f"lane-{args.lane}", result)
     report(
         f"lane_{args.lane}",
         {

@@ -23,8 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dgr_prd.metrics import report
-from dgr_prd.paths import find_root
+from dgr_prd.metrics import report, write_bench
 
 TARGET_RATIO = 1.15
 PROMPT_TOKENS = 128
@@ -171,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": TARGET_RATIO,
         "meets_target": worst <= TARGET_RATIO,
     }
-    out_dir = find_root().evidence / "bench"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"bench-memory-{ns.model}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_bench(f"bench-memory-{ns.model}", result)
     report(
         "memory",
         {

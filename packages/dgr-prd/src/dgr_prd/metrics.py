@@ -1,4 +1,5 @@
-"""How evidence commands report metrics: a JSON object in the file named by $DGR_METRICS."""
+"""How evidence commands report metrics: a JSON object in the file named by $DGR_METRICS, and
+the benches' results in evidence/bench/ (what the gates and the site read)."""
 
 from __future__ import annotations
 
@@ -24,4 +25,15 @@ def report(section: str, values: dict[str, Any]) -> Path | None:
             data = loaded
     data.setdefault(section, {}).update(values)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return path
+
+
+def write_bench(name: str, result: dict[str, Any]) -> Path:
+    """Write a bench's result to evidence/bench/<name>.json; returns the path."""
+    from dgr_prd.paths import find_root
+
+    out = find_root().evidence / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
     return path
