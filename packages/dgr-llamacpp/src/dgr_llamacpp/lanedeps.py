@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from dgr_prd.downloads import cache_dir
 
@@ -22,9 +23,9 @@ class LaneDepsError(Exception):
     pass
 
 
-def manifest(root: Path) -> dict[str, dict[str, object]]:
+def manifest(root: Path) -> dict[str, Any]:
     path = root / "native" / "llama.cpp" / "lane-deps.json"
-    data: dict[str, dict[str, object]] = json.loads(path.read_text(encoding="utf-8"))
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     return data
 
 
@@ -33,18 +34,17 @@ def lane_cmake_args(root: Path, lane: str) -> list[str]:
     spec = manifest(root).get(lane)
     if spec is None:
         return []
-    missing = [t for t in spec.get("tools", []) if shutil.which(str(t)) is None]  # type: ignore[attr-defined]
+    missing = [t for t in spec.get("tools", []) if shutil.which(t) is None]
     if missing:
-        packages = " ".join(str(p) for p in spec.get("system_packages", []))  # type: ignore[attr-defined]
+        packages = " ".join(spec.get("system_packages", []))
         raise LaneDepsError(
             f"the {lane} lane needs {', '.join(missing)}: apt-get install {packages}"
         )
     values: dict[str, str] = {}
     deb = spec.get("deb")
-    if isinstance(deb, dict):
-        unpacked = unpack_deb(str(deb["url"]), str(deb["sha256"]))
-        values["include"] = str(unpacked / str(deb["include"]))
-    return [str(arg).format(**values) for arg in spec.get("cmake", [])]  # type: ignore[attr-defined]
+    if deb is not None:
+        values["include"] = str(unpack_deb(deb["url"], deb["sha256"]) / deb["include"])
+    return [arg.format(**values) for arg in spec.get("cmake", [])]
 
 
 def unpack_deb(url: str, sha256: str) -> Path:
