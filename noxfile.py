@@ -61,7 +61,7 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def proto(session: nox.Session) -> None:
-    """dgr.v1 wire: `-- check` (default: generated code current, lint, compatibility), `-- gen`,
+    """dgr.v1 wire: `-- check` (default: installed generated code current, lint, compatibility),
     `-- lock` (record the published schema after adding fields)."""
     session.run("dgr-proto", *(session.posargs or ["check"]))
 
@@ -89,6 +89,13 @@ def native_build(session: nox.Session) -> None:
 def native_wheel(session: nox.Session) -> None:
     """Build the dgr-engine wheel (scikit-build-core), install it fresh, compare with dev build."""
     session.run("python", "-m", "dgr_native.wheel")
+
+
+@nox.session(python=False)
+def dist(session: nox.Session) -> None:
+    """The distributable wheels into dist/ (dgr-engine and the runtime packages); `-- --check`
+    then runs the README's install block on them in a fresh environment outside the checkout."""
+    session.run("python", "-m", "dgr_native.dist", *session.posargs)
 
 
 @nox.session(python=False)
@@ -124,9 +131,9 @@ def twins(session: nox.Session) -> None:
 
 
 @nox.session(name="bench-seam-bytes", python=False)
-def bench_seams(session: nox.Session) -> None:
+def bench_seam_bytes(session: nox.Session) -> None:
     """Bytes per token per seam on real 3-stage routes (SmolLM2, the V4 twin; real V4 stated)."""
-    session.run("python", "-m", "dgr_bench.bench_seams", *session.posargs)
+    session.run("python", "-m", "dgr_bench.seam_bytes", *session.posargs)
 
 
 @nox.session(name="bench-wan", python=False)
@@ -168,7 +175,7 @@ def bench(session: nox.Session) -> None:
 @nox.session(name="bench-verify", python=False)
 def bench_verify(session: nox.Session) -> None:
     """Resumable verification throughput vs sha256sum, measured side by side (JSON to evidence/)."""
-    session.run("python", "-m", "dgr_artifacts.bench")
+    session.run("python", "-m", "dgr_bench.verify")
 
 
 @nox.session(python=False)

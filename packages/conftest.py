@@ -46,7 +46,7 @@ def metered_limits() -> tuple[int, int]:
 def metered_workers(smollm2: Path) -> Iterator[list[Any]]:
     """A 2-stage SmolLM2 route, [0, 15) and [15, 30), whose workers serve their metrics
     (--metrics-listen on a free port) with `metered_limits`."""
-    from dgr_route.workers import descriptor_args, start_worker
+    from dgr_cli.workers import descriptor_args, start_worker
 
     descriptor = descriptor_args(smollm2)
     started = [

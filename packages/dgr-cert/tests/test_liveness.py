@@ -15,9 +15,9 @@ import pytest
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
 from dgr_bench.netsim import LinkProcess, start_link
-from dgr_route.codec import FNV_OFFSET
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_route.route import Route, RouteError
-from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+from dgr_wire.codec import FNV_OFFSET
 
 KEEPALIVE_MS = 1000
 # keepalive + its timeout (half of it), the 2 s a closing link waits for its peer, and slack for

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from dgr_artifacts.downloads import cache_dir
 from dgr_llamacpp.fetch import (
     HashMismatch,
     PinError,
@@ -18,7 +19,6 @@ from dgr_llamacpp.fetch import (
 )
 from dgr_llamacpp.manifest import LlamaPin, load_pin
 from dgr_llamacpp.tree import tree_hash
-from dgr_prd.downloads import cache_dir
 
 REPO = Path(__file__).resolve().parents[3]
 PIN = load_pin(REPO / "native" / "llama.cpp" / "manifest.json")

@@ -8,12 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from dgr_cert.certify import certify_model
+from dgr_cli.workers import WorkerProcess
 from dgr_meshnet.certification import advertised_lanes, hardware_sha256, read_record, write_record
 from dgr_meshnet.collect import descriptor
 from dgr_prd.hardware import fingerprint
 from dgr_prd.paths import find_root
 from dgr_prd.runner import git_state
-from dgr_route.workers import WorkerProcess
 
 
 def test_certified_lanes_are_advertised_and_no_other(

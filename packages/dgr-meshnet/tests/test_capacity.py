@@ -9,11 +9,11 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from dgr_cli.workers import WorkerProcess
 from dgr_meshnet.collect import capacity
 from dgr_meshnet.inputs import RangeCapacityReport
 from dgr_prd.paths import find_root
 from dgr_route.route import Route
-from dgr_route.workers import WorkerProcess
 from pydantic import ValidationError
 
 PROMPT = list(range(1000, 1024))

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from dgr_cli.workers import WorkerProcess
 from dgr_meshnet.certification import (
     CertificationRecord,
     TamperedRecord,
@@ -22,7 +23,6 @@ from dgr_meshnet.certification import (
 from dgr_meshnet.collect import descriptor
 from dgr_meshnet.inputs import CompatibilityDescriptor
 from dgr_prd.hardware import fingerprint
-from dgr_route.workers import WorkerProcess
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 from dgr_artifacts.ranges import LayerRange
+from dgr_cli.workers import WorkerProcess
 from dgr_meshnet.certification import seal
 from dgr_meshnet.collect import capacity, descriptor
 from dgr_meshnet.inputs import (
@@ -23,7 +24,6 @@ from dgr_meshnet.inputs import (
     schema_models,
 )
 from dgr_prd.paths import find_root
-from dgr_route.workers import WorkerProcess
 from pydantic import BaseModel, Field, create_model
 
 # the tracker's own concerns: DGR reports inputs, it never decides or prices

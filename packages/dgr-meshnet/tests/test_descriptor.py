@@ -4,6 +4,7 @@ if and only if every exact field agrees; a mismatch names the field."""
 from __future__ import annotations
 
 import pytest
+from dgr_cli.workers import WorkerProcess
 from dgr_meshnet.collect import descriptor
 from dgr_meshnet.inputs import (
     EXACT_FIELDS,
@@ -14,7 +15,6 @@ from dgr_meshnet.inputs import (
 )
 from dgr_prd.native_pin import llama_pin, patch_stack_hash
 from dgr_prd.paths import find_root
-from dgr_route.workers import WorkerProcess
 from pydantic import ValidationError
 
 OTHER = {

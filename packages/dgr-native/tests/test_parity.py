@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dgr_native.parity import compare, even_layout, reference_run
+from dgr_native.parity import compare, reference_run
+from dgr_route.local import even_layout
 
 
 def test_three_stages_are_bitwise_equal_for_prompt_and_decode(smollm2: Path) -> None:

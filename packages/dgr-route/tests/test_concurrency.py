@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_route.route import Route, RouteError
-from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
 
 LAYOUT = [(0, 10), (10, 20), (20, 30)]
 PROMPTS = [

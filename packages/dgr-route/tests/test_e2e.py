@@ -14,11 +14,11 @@ import grpc
 import pytest
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_prd.native_pin import llama_pin, patch_stack_hash
 from dgr_prd.paths import find_root
-from dgr_route.codec import FNV_OFFSET, encode
 from dgr_route.route import Route, RouteError
-from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+from dgr_wire.codec import FNV_OFFSET, encode
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 LAYOUTS = {

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
-from dgr_route.codec import encode
+from dgr_cli.workers import WorkerProcess, start_worker
 from dgr_route.route import Route
-from dgr_route.workers import WorkerProcess, start_worker
+from dgr_wire.codec import encode
 from prometheus_client.parser import text_string_to_metric_families
 
 PROMPT = list(range(1000, 1020))

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import gguf
 import pytest
-from dgr_route.workers import WorkerStartError, start_worker
+from dgr_cli.workers import WorkerStartError, start_worker
 
 OPTS = {"n_threads": 2, "n_ctx": 256, "n_batch": 64, "max_sessions": 1}
 

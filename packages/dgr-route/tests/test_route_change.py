@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_route.route import Route, RouteError
 from dgr_route.session import RouteSession
-from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
 
 N_TOKENS = 32
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_route.route import Route, RouteError
 from dgr_route.security import Security
-from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
 
 LAYERS = (0, 30)
 

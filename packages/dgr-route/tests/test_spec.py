@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
-from dgr_route.codec import FNV_OFFSET, prefix_hash
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_route.route import Draft, DraftUsage, Route, RouteError, Sampling
-from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+from dgr_wire.codec import FNV_OFFSET, prefix_hash
 
 LAYOUTS = {1: [(0, 30)], 2: [(0, 15), (15, 30)], 3: [(0, 10), (10, 20), (20, 30)]}
 QUOTE = (

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_native.parity import reference_run
-from dgr_route.codec import encode
 from dgr_route.route import Route
-from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+from dgr_wire.codec import encode
 
 LAYOUT = [(0, 2), (2, 3), (3, 6)]  # seams inside the hash-routed block and before an HCA layer
 

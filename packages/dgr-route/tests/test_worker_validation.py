@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
-from dgr_route.codec import FNV_OFFSET, encode, prefix_hash
-from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
+from dgr_wire.codec import FNV_OFFSET, encode, prefix_hash
 
 # FNV-1a 64 over little-endian int32 ids: the cache expectation every stage and the coordinator
-# compute (native/worker/wire.cpp and dgr_route.codec.prefix_hash must both give these)
+# compute (native/worker/wire.cpp and dgr_wire.codec.prefix_hash must both give these)
 PREFIX_VECTORS = [
     ([], 0xCBF29CE484222325),
     ([1, 2, 3], 0xFD1F0F4381EB0395),

@@ -17,9 +17,9 @@ import httpx2 as httpx
 import openai
 import pytest
 import uvicorn
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_route.route import Draft, Route
 from dgr_route.tokenizer import Tokenizer
-from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_serve.openai_server import create_app
 from fastapi import FastAPI
 

@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dgr_prd.metrics import report
-
 from dgr_artifacts.errors import ArtifactError
 from dgr_artifacts.identity import fingerprint, open_model
 from dgr_artifacts.manifest import DEFAULT_CHUNK, build_manifest, load_manifest, write_manifest
@@ -73,15 +71,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     )
     for problem in [*result.problems, *map(str, result.bad)]:
         print(f"BAD {problem}")
-    report(
-        "verify",
-        {
-            "ok": result.ok,
-            "bytes_hashed": result.bytes_hashed,
-            "resumed_chunks": result.resumed_chunks,
-            "bad_chunks": len(result.bad),
-        },
-    )
     print("verified: all chunks match the manifest" if result.ok else "verification FAILED")
     return 0 if result.ok else 1
 

@@ -16,8 +16,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TextIO
 
-from dgr_prd.downloads import cache_dir, pip_download
-
+from dgr_artifacts.downloads import cache_dir, pip_download
 from dgr_artifacts.errors import HashMismatch
 
 

@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dgr_cli.workers import descriptor_args, start_worker
 from dgr_prd.metrics import report, write_bench
 from dgr_route.route import MODES, Route
-from dgr_route.workers import descriptor_args, start_worker
 
 PROMPT_TOKENS = 128
 DECODE_TOKENS = 64
@@ -144,7 +144,7 @@ def dgr_route(
     threads: int,
 ) -> dict[str, dict[str, float]]:
     """Both modes over the same workers: {mode: {prefill, decode}}."""
-    from dgr_native.parity import even_layout
+    from dgr_route.local import even_layout
 
     workers = [
         start_worker(model, a, b, descriptor=descriptor, threads=threads, n_ctx=1024, n_batch=512)
@@ -198,7 +198,7 @@ def concurrent_decode(
     route whose workers batch up to `max_batch` sessions' decode steps (1: FIFO turns)."""
     import threading
 
-    from dgr_native.parity import even_layout
+    from dgr_route.local import even_layout
 
     workers = [
         start_worker(
@@ -281,7 +281,7 @@ def paired(
     10% and more over minutes; a ratio taken within a round, where reference and route see the
     same machine, does not carry that drift (the table's rows, timed minutes apart, do)."""
     from dgr_native import load
-    from dgr_native.parity import even_layout
+    from dgr_route.local import even_layout
 
     prompt = prompt_tokens()
     engine = load().Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)

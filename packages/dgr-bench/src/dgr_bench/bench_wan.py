@@ -30,9 +30,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_prd.metrics import report, write_bench
 from dgr_route.route import Route
-from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
 
 from dgr_bench.bench import engine_round, route_round, rpc_servers, time_route
 from dgr_bench.netsim import start_link

@@ -61,7 +61,7 @@ def loopback_nodes(seed: int, profile: ModelProfile, n_nodes: int) -> NodesFile:
 def measured_links(model: Path, nodes: NodesFile) -> NodesFile:
     """The link matrix as a deployment would measure it (`one_way_ms` through each node's link,
     median of 30), in front of a one-layer worker."""
-    from dgr_route.workers import start_worker
+    from dgr_cli.workers import start_worker
 
     from dgr_bench.netsim import start_link
 
@@ -83,7 +83,7 @@ def measured_links(model: Path, nodes: NodesFile) -> NodesFile:
 
 def even_split(problem: planner.Problem) -> list[tuple[int, int, int]]:
     """All the nodes in their listed order, layers split as evenly as the parity harness does."""
-    from dgr_native.parity import even_layout
+    from dgr_route.local import even_layout
 
     return [(i, a, b) for i, (a, b) in enumerate(even_layout(problem.n_layer, problem.size))]
 
@@ -109,7 +109,7 @@ def measure(
 ) -> dict[str, Any]:
     """Start the workers of `stages`, each behind its node's link; decode tok/s (median of
     ROUNDS) through the route in forward mode, and each worker's RSS afterwards."""
-    from dgr_route.workers import descriptor_args, start_worker
+    from dgr_cli.workers import descriptor_args, start_worker
 
     from dgr_bench.bench import time_route
     from dgr_bench.netsim import start_link

@@ -26,9 +26,9 @@ import sys
 import time
 from typing import Any
 
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_prd.metrics import report, write_bench
 from dgr_route.route import Draft, DraftUsage, Route
-from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
 
 from dgr_bench.bench import engine_round
 from dgr_bench.bench_wan import linked

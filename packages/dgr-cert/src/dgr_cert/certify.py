@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from dgr_cli.workers import start_worker
 from dgr_meshnet.certification import CertificationRecord, hardware_sha256, seal, write_record
 from dgr_meshnet.collect import descriptor
 from dgr_prd.hardware import fingerprint
@@ -20,7 +21,6 @@ from dgr_prd.lanes import available_lanes
 from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
 from dgr_prd.runner import git_state
-from dgr_route.workers import start_worker
 
 from dgr_cert.layout_parity import DEFAULT_MODELS
 from dgr_cert.layout_parity import certify as layout_parity

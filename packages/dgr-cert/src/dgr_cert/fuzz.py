@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import TextIO
 
 import numpy as np
+from dgr_artifacts.downloads import cache_dir
 from dgr_native.twins import ArchTwin, generate
-from dgr_prd.downloads import cache_dir
 from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
 
@@ -82,7 +82,7 @@ def request_seeds() -> list[bytes]:
     """Valid requests for each stage kind and the variants the wire allows: the fuzzer mutates
     from inside the accepted language instead of from noise."""
     from dgr.v1 import shard_pb2 as pb
-    from dgr_route.codec import FNV_OFFSET, encode, prefix_hash
+    from dgr_wire.codec import FNV_OFFSET, encode, prefix_hash
 
     n_embd = FUZZ_TWIN.n_embd
     rng = np.random.default_rng(20261201)

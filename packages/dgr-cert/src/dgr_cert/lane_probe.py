@@ -24,10 +24,10 @@ import time
 from typing import Any
 
 import numpy as np
+from dgr_cli.workers import descriptor_args, start_worker
 from dgr_native.parity import reference_run
 from dgr_prd.metrics import report, write_bench
 from dgr_route.route import Route
-from dgr_route.workers import descriptor_args, start_worker
 
 BAR_NMSE = 1e-4
 LAYOUTS = {"smollm2-135m-q4_1": [[(0, 30)], [(0, 15), (15, 30)], [(0, 10), (10, 20), (20, 30)]]}

@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dgr_native.parity import Chain, ParityResult, compare, reference_run, top_k_overlap
+from dgr_cli.workers import descriptor_args, start_worker
+from dgr_native.parity import ParityResult, compare, reference_run, top_k_overlap
 from dgr_native.scenarios import ModelStructure, Scenario, generate
 from dgr_prd.metrics import report
-from dgr_route.codec import REAL_V4, seam_bytes
+from dgr_route.local import Chain
 from dgr_route.route import Draft, DraftUsage, Route
-from dgr_route.workers import descriptor_args, start_worker
+from dgr_wire.codec import REAL_V4, seam_bytes
 
 DEFAULT_MODELS = ["smollm2-135m-q4_1", "dsv4-twin-quick"]
 LOOKUP_DECODE = 48  # decode steps of the prompt-lookup run

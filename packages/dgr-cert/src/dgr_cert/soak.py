@@ -30,11 +30,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from dgr_cli.workers import descriptor_args, start_worker
 from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
 from dgr_route.route import Route, Sampling
 from dgr_route.session import RouteSession
-from dgr_route.workers import descriptor_args, start_worker
 
 LAYOUT = [(0, 10), (10, 20), (20, 30)]
 RSS_GROWTH_MAX = 0.02

@@ -12,12 +12,18 @@ from typing import Any
 
 
 def version_text() -> str:
-    """`dgr --version`: this command's version, then the build identity each installed native
-    part reports (the `dgr.build_info` entry points: llama.cpp commit, patch stack, lane)."""
+    """`dgr --version`: this command's version, then the build identity compiled into the engine
+    this installation runs (llama.cpp commit, patch stack, lane, schema) and where it is."""
+    from dgr_route.engine import EngineNotFound, locate
+
     lines = [f"dgr {version('dgr-cli')}"]
-    for ep in sorted(entry_points(group="dgr.build_info"), key=lambda e: e.name):
-        info: dict[str, Any] = ep.load()()
-        lines.append(f"{ep.name}: " + " ".join(f"{k}={v}" for k, v in info.items()))
+    try:
+        engine = locate()
+        info = engine.build_info()
+        lines.append("engine: " + " ".join(f"{k}={v}" for k, v in info.items()))
+        lines.append(f"engine directory: {engine.directory} ({engine.source})")
+    except EngineNotFound as exc:
+        lines.append(f"engine: none ({exc})")
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from dgr_prd.downloads import cache_dir
+from dgr_artifacts.downloads import cache_dir
 
 from dgr_llamacpp.fetch import fetch
 from dgr_llamacpp.lanedeps import lane_cmake_args

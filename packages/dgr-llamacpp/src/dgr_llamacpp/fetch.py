@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import TextIO
 
-from dgr_prd.downloads import DownloadError, cache_dir, pip_download
+from dgr_artifacts.downloads import DownloadError, cache_dir, pip_download
 
 from dgr_llamacpp.manifest import LlamaPin, PypiSdistSource
 from dgr_llamacpp.tree import file_sha256, tree_hash

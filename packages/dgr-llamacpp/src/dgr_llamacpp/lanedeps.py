@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from dgr_prd.downloads import cache_dir
+from dgr_artifacts.downloads import cache_dir
 
 
 class LaneDepsError(Exception):

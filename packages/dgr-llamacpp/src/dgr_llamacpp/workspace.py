@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dgr_prd.downloads import cache_dir
+from dgr_artifacts.downloads import cache_dir
 from dgr_prd.paths import RepoPaths, find_root
 
 from dgr_llamacpp.manifest import LlamaPin, load_pin

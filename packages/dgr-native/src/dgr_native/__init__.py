@@ -7,9 +7,9 @@ and releases the GIL while llama.cpp computes. Failures raise `ShardError` with 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 from dgr_native.build import build_engine
 
@@ -19,6 +19,8 @@ _module: ModuleType | None = None
 def load(lane: str = "cpu") -> ModuleType:
     """The `_dgr_engine` extension, built for `lane` when missing or stale (a no-op otherwise)."""
     global _module
+    if _module is None and "_dgr_engine" in sys.modules:  # loaded by the runtime's locator
+        _module = sys.modules["_dgr_engine"]
     if _module is None:
         path: Path = build_engine(lane)
         spec = importlib.util.spec_from_file_location("_dgr_engine", path)
@@ -26,11 +28,11 @@ def load(lane: str = "cpu") -> ModuleType:
             raise ImportError(f"cannot load the engine module from {path}")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        _module = module
+        sys.modules["_dgr_engine"] = _module = module
     return _module
 
 
-def build_info() -> dict[str, Any]:
-    """What the engine module was built from, compiled into it: llama.cpp commit, patch stack
-    hash, lane and wire schema version (`dgr --version` prints it)."""
-    return dict(load().build_info())
+def engine_dir(lane: str = "cpu") -> Path:
+    """The development build's directory (engine module and worker), built for `lane` when
+    missing or stale: the runtime's `dgr.engine` entry point in a checkout."""
+    return build_engine(lane).parent

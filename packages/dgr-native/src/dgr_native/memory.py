@@ -84,9 +84,9 @@ def run(model_name: str, n_stages: int) -> list[dict[str, Any]]:
     from dgr_artifacts.manifest import build_manifest
     from dgr_artifacts.models import model_path
     from dgr_artifacts.subset import range_subset
+    from dgr_route.local import even_layout
 
     from dgr_native import load
-    from dgr_native.parity import even_layout
 
     model = model_path(model_name)
     manifest = build_manifest(model)

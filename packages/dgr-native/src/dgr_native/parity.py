@@ -1,5 +1,6 @@
-"""In-process parity: chains of ShardEngines against the same llama.cpp build running the whole
-model with the same batch shape (the prompt as one batch, then one token per decode step).
+"""In-process parity: chains of ShardEngines (dgr_route.local.Chain) against the same llama.cpp
+build running the whole model with the same batch shape (the prompt as one batch, then one token
+per decode step).
 
 The reference is one engine over [0, n_layer): with the full range the patch stack changes
 nothing, so it is the same build's monolithic run. The chain is teacher-forced with the
@@ -15,12 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from dgr_prd.metrics import report
+from dgr_route.local import ENGINE_OPTIONS, Chain, even_layout
 
 from dgr_native import load
 
@@ -30,54 +33,6 @@ PROMPT = (
     "computers so that each one holds only some of its layers, and what has to travel between "
     "them for every token."
 )
-ENGINE_OPTIONS: dict[str, int] = {"n_threads": 2, "n_ctx": 512, "n_batch": 512, "max_sessions": 1}
-
-
-def even_layout(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
-    bounds = [round(i * n_layer / n_stages) for i in range(n_stages + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(n_stages)]
-
-
-class Chain:
-    """Engines over consecutive ranges, driven as one model (session 1, epoch 1)."""
-
-    def __init__(self, model: Path, layout: list[tuple[int, int]], boundary_dtype: str = "f32"):
-        engine = load()
-        self.engines = [engine.Engine(str(model), a, b, **ENGINE_OPTIONS) for a, b in layout]
-        # the token-ID sideband goes to stages that own a hash-routed layer (DeepSeek V4)
-        self.sideband = [bool(e.describe()["needs_token_ids"]) for e in self.engines]
-        self.dtype = boundary_dtype
-        self.n_past = 0
-
-    def step(self, tokens: np.ndarray) -> np.ndarray:
-        x: np.ndarray | None = None
-        for e, sideband in zip(self.engines, self.sideband, strict=True):
-            if x is None:
-                x = e.forward(1, 1, self.n_past, tokens=tokens, out_dtype=self.dtype)
-            else:
-                ids = tokens if sideband else None
-                x = e.forward(1, 1, self.n_past, tokens=ids, boundary=x, out_dtype=self.dtype)
-        self.n_past += len(tokens)
-        assert x is not None
-        last: np.ndarray = x[-1]
-        return last
-
-    def greedy(self, prompt: np.ndarray, steps: int) -> tuple[list[np.ndarray], list[int]]:
-        """`steps` logits rows, each choosing the next token greedily from the one before:
-        the prompt's, then one per generated token (what a route does)."""
-        logits = [self.step(prompt)]
-        tokens = [int(np.argmax(logits[0]))]
-        while len(logits) < steps:
-            logits.append(self.step(np.array([tokens[-1]], dtype=np.int32)))
-            tokens.append(int(np.argmax(logits[-1])))
-        return logits, tokens
-
-    def tokenize(self, text: str) -> np.ndarray:
-        return np.asarray(self.engines[0].tokenize(text, True), dtype=np.int32)
-
-    def boundary_bytes_per_token(self) -> int:
-        d = self.engines[0].describe()
-        return int(d["hc"] * d["n_embd"] * (4 if self.dtype == "f32" else 2))
 
 
 @dataclass
@@ -117,7 +72,7 @@ def reference_run(
 
 def compare(
     model: Path,
-    layout: list[tuple[int, int]],
+    layout: Sequence[tuple[int, int]],
     dtype: str,
     prompt: np.ndarray,
     ref_logits: list[np.ndarray],
@@ -131,7 +86,7 @@ def compare(
     top1 = float(np.mean(np.argmax(a, axis=1) == np.argmax(b, axis=1)))
     return ParityResult(
         model=model.stem,
-        layout=layout,
+        layout=[(a, b) for a, b in layout],
         boundary_dtype=dtype,
         steps=len(got),
         bitwise_equal=bool(np.array_equal(a.view(np.uint32), b.view(np.uint32))),

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from dgr_prd.downloads import cache_dir
+from dgr_artifacts.downloads import cache_dir
 
 from dgr_native import load
 

@@ -26,7 +26,7 @@ UV = os.environ.get("UV", "uv")  # `uv run` names its own executable here
 CHECK = """
 import json, sys
 import numpy as np
-import _dgr_engine as m
+from dgr_engine import _dgr_engine as m
 model = sys.argv[1]
 head, tail = m.Engine(model, 0, 15, n_ctx=256, n_batch=64, max_sessions=1), \\
     m.Engine(model, 15, -1, n_ctx=256, n_batch=64, max_sessions=1)

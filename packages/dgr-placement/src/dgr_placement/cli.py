@@ -31,7 +31,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from dgr_route.cli import model_arg
+    from dgr_cli.commands import model_arg
     from pydantic import ValidationError
 
     from dgr_placement import planner

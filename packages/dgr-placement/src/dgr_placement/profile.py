@@ -124,7 +124,7 @@ def _estimate(engine_module: Any, model: Path, first: int, last: int, o: WorkerO
 def worker_overhead(model: Path, options: WorkerOptions, estimate: int, layer: int) -> int:
     """RSS of a real dgr-shard-worker over one middle layer, less what the dry run says it
     holds: the binary, libllama, gRPC, metadata and vocabulary."""
-    from dgr_route.workers import start_worker
+    from dgr_cli.workers import start_worker
 
     worker = start_worker(
         model,
@@ -195,8 +195,8 @@ def probe_stage(
     per stage (half a gRPC Health round trip each: the seams and the token back to the head),
     split over the stages. It includes what the other workers' idle threads take from the one
     computing, as a route of several stages on shared cores has it."""
-    from dgr_native.parity import even_layout
-    from dgr_route.workers import descriptor_args, start_worker
+    from dgr_cli.workers import descriptor_args, start_worker
+    from dgr_route.local import even_layout
 
     n = int(_describe(model)["n_layer"])
     descriptor = descriptor_args(model)

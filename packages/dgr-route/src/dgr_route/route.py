@@ -25,8 +25,8 @@ import grpc
 import numpy as np
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
+from dgr_wire.codec import BY_NAME, FNV_OFFSET, chunks, decode_logits, prefix_hash
 
-from dgr_route.codec import BY_NAME, FNV_OFFSET, chunks, decode_logits, prefix_hash
 from dgr_route.security import PLAIN, Security
 
 COMPAT_FIELDS = (

@@ -42,9 +42,9 @@ class Tokenizer:
     `vocab_only`: metadata and vocabulary, no weights)."""
 
     def __init__(self, model: Path) -> None:
-        from dgr_native import load
+        from dgr_route.engine import locate
 
-        self.vocab = load().Vocabulary(str(model))
+        self.vocab = locate().module().Vocabulary(str(model))
         # end-of-generation ids go to the route as its stop ids: the head stops decoding itself
         self.eog_ids = frozenset(t for t in range(self.vocab.n_vocab) if self.vocab.is_eog(t))
 

@@ -34,10 +34,10 @@ from typing import Any, Literal
 import grpc
 import numpy as np
 from dgr.v1 import shard_pb2 as pb
-from dgr_route.codec import decode_logits
 from dgr_route.route import DraftUsage, Route, RouteError, Sampling
 from dgr_route.text import Detokenizer, StopMatcher, stop_list
 from dgr_route.tokenizer import TokenizerLike
+from dgr_wire.codec import decode_logits
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse

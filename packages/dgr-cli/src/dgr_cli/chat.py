@@ -13,9 +13,10 @@ import argparse
 import sys
 from typing import Any
 
-from dgr_route.cli import add_route_options, open_client, stream_text
 from dgr_route.route import RouteError, Sampling
 from dgr_route.tokenizer import TokenizerLike
+
+from dgr_cli.commands import add_route_options, open_client, stream_text
 
 PROMPT = "> "
 

@@ -1,4 +1,5 @@
-"""The dgr.v1 schema: generated code current, lint, compatibility lock, C++ codegen compiles."""
+"""The dgr.v1 schema: installed generated code current, lint, compatibility lock, C++ codegen
+compiles."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from dgr_route import protogen, protolint
+from dgr_wire import protogen, protolint
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def test_generated_python_is_current_and_schema_clean() -> None:
-    assert protogen.stale(protogen.package_src()) == []
+    assert protogen.stale(protogen.proto_root()) == []
     assert protolint.lint_problems() == []
     lock = json.loads((REPO / "proto" / "dgr" / "v1" / "shard.lock.json").read_text())
     assert protolint.compatibility_problems(lock) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dgr_route.cli import add_route_options, model_arg, open_client
+from dgr_cli.commands import add_route_options, model_arg, open_client
 
 
 def register(sub: Any) -> None:
@@ -30,7 +30,6 @@ def register(sub: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
-
     from dgr_serve.openai_server import create_app
 
     client = open_client(args)

@@ -88,10 +88,10 @@ def start_worker(
     cwd: Path | None = None,
     lane: str = "cpu",
 ) -> WorkerProcess:
-    from dgr_native.build import worker_binary
+    from dgr_route.engine import locate
 
     cmd = [
-        str(worker_binary(lane)),
+        str(locate(lane).worker),
         "--model",
         str(model),
         "--layers",

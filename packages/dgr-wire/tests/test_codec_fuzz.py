@@ -7,7 +7,7 @@ import contextlib
 import numpy as np
 import pytest
 from dgr.v1 import shard_pb2 as pb
-from dgr_route.codec import BoundaryError, BoundaryLimits, decode, encode, parse
+from dgr_wire.codec import BoundaryError, BoundaryLimits, decode, encode, parse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

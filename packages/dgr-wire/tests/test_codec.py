@@ -8,7 +8,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 from dgr.v1 import shard_pb2 as pb
-from dgr_route.codec import (
+from dgr_wire.codec import (
     BoundaryError,
     BoundaryLimits,
     bf16_to_f32,

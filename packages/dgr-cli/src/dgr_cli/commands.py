@@ -26,7 +26,7 @@ def worker_layers(args: argparse.Namespace, model: Path) -> tuple[str, list[str]
     """(--layers, the worker's descriptor arguments): with --recipe and --node, the node's range
     from a recipe checked against this model's manifest, whose fingerprint the worker reports
     (the model is hashed once); else --layers as given and the model's fingerprint."""
-    from dgr_route.workers import descriptor_args
+    from dgr_cli.workers import descriptor_args
 
     if args.recipe is None:
         if args.layers is None:
@@ -47,17 +47,18 @@ def worker_layers(args: argparse.Namespace, model: Path) -> tuple[str, list[str]
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from dgr_native.build import worker_binary
+    from dgr_route.engine import EngineNotFound, locate
     from pydantic import ValidationError
 
     model = model_arg(args.model)
     try:
         layers, descriptor = worker_layers(args, model)
-    except (ValueError, ValidationError, OSError) as exc:
+        worker = locate()
+    except (ValueError, ValidationError, OSError, EngineNotFound) as exc:
         print(f"dgr worker: {exc}", file=sys.stderr)
         return 2
     cmd = [
-        str(worker_binary()),
+        str(worker.worker),
         "--model",
         str(model),
         "--layers",
@@ -123,8 +124,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         route.close()
     elapsed = time.perf_counter() - started
+    print()  # the text ends its line on standard output; the figures go to standard error
     print(
-        f"\n--- {count} tokens in {elapsed:.2f} s ({count / elapsed:.1f} tok/s) through "
+        f"--- {count} tokens in {elapsed:.2f} s ({count / elapsed:.1f} tok/s) through "
         f"{len(route.stages)} stages",
         file=sys.stderr,
     )

@@ -5,7 +5,7 @@ route counts the serialized boundary messages and token ids it relays into stage
 The residual itself is hc x n_embd values per token; each message adds shape, dtype and checksum
 (the decode figures count one message per token; prefill amortizes it over a chunk).
 For the DeepSeek V4 twin the real model's figure is stated next to it: 4 x 4096 x 2 bytes = 32 KiB
-per token per seam in bf16, plus the token-id sideband. Writes evidence/bench/bench-seams.json.
+per token per seam in bf16, plus the token-id sideband. Writes evidence/bench/bench-seam-bytes.json.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import sys
 from typing import Any
 
 import numpy as np
+from dgr_cli.workers import descriptor_args, start_worker
 from dgr_prd.metrics import report, write_bench
-from dgr_route.codec import REAL_V4, seam_bytes
 from dgr_route.route import Route, SeamTraffic
-from dgr_route.workers import descriptor_args, start_worker
+from dgr_wire.codec import REAL_V4, seam_bytes
 
 PROMPT_TOKENS = 200
 DECODE_TOKENS = 16
@@ -40,7 +40,7 @@ def decode_traffic(addresses: list[str], wire_dtype: str, n_vocab: int) -> tuple
 def measure(name: str) -> dict[str, Any]:
     from dgr_artifacts.models import model_path
     from dgr_native import load
-    from dgr_native.parity import even_layout
+    from dgr_route.local import even_layout
 
     model = model_path(name)
     whole = load().Engine(str(model), n_ctx=1024).describe()
@@ -77,7 +77,7 @@ def measure(name: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dgr_bench.bench_seams")
+    parser = argparse.ArgumentParser(prog="python -m dgr_bench.seam_bytes")
     parser.add_argument("--model", action="append")
     args = parser.parse_args(argv)
     results: dict[str, Any] = {
@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         f"real DeepSeek V4: {real['bf16']} B = {real['bf16'] // 1024} KiB per token per seam in "
         f"bf16 ({real['f32'] // 1024} KiB in f32), plus {real['token_id_sideband']} B of token id"
     )
-    write_bench("bench-seams", results)
-    report("bench_seams", results)
+    write_bench("bench-seam-bytes", results)
+    report("bench_seam_bytes", results)
     return 0
 
 

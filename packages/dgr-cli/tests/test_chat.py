@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from dgr_route.workers import WorkerProcess, descriptor_args, start_worker
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,16 @@ import time
 from typing import Any
 
 import numpy as np
-
 from dgr_route.route import Route
 from dgr_route.text import Detokenizer
 from dgr_route.tokenizer import Tokenizer
-from dgr_route.workers import descriptor_args, start_worker
+
+from dgr_cli.workers import descriptor_args, start_worker
 
 
 def run_demo(args: argparse.Namespace) -> int:
     from dgr_artifacts.models import MODELS, model_path
-    from dgr_native.parity import Chain, even_layout
+    from dgr_route.local import Chain, even_layout
 
     model = model_path(args.model)
     if args.model not in MODELS:

@@ -1,1 +1,0 @@
-# Generated from proto/dgr/v1/shard.proto by `nox -s proto`; do not edit.

@@ -1,0 +1,1 @@
+"""DGR's wire: dgr.v1 (generated) and the boundary codec."""
