@@ -47,6 +47,7 @@ def worker_layers(args: argparse.Namespace, model: Path) -> tuple[str, list[str]
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from dgr_artifacts.errors import ArtifactError
     from dgr_route.engine import EngineNotFound, locate
     from pydantic import ValidationError
 
@@ -54,7 +55,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     try:
         layers, descriptor = worker_layers(args, model)
         worker = locate()
-    except (ValueError, ValidationError, OSError, EngineNotFound) as exc:
+    except (ValueError, ValidationError, OSError, EngineNotFound, ArtifactError) as exc:
         print(f"dgr worker: {exc}", file=sys.stderr)
         return 2
     cmd = [
@@ -124,7 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         route.close()
     elapsed = time.perf_counter() - started
-    print()  # the text ends its line on standard output; the figures go to standard error
+    print(flush=True)  # the text ends its line on standard output; figures go to standard error
     print(
         f"--- {count} tokens in {elapsed:.2f} s ({count / elapsed:.1f} tok/s) through "
         f"{len(route.stages)} stages",

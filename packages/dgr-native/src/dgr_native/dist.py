@@ -7,6 +7,11 @@
   wheels in a fresh virtual environment outside the checkout (only the ports differ, and it waits
   for what it starts in the background to listen), then a probe that nothing of the checkout is
   importable there.
+- `wheelhouse` and `check_container`: the dependencies' wheels in dist/deps, and the worker image
+  of `Containerfile` built from dist/ with Debian's podman, a worker started from it (buildah's
+  chroot isolation: this VM's OCI runtime cannot set rlimits) and asked for its health and a
+  generation. The base image comes from the Debian archive (mmdebstrap) when no registry holding
+  one is reachable.
 """
 
 from __future__ import annotations
@@ -59,6 +64,105 @@ def build_dist(out: Path, lane: str = "cpu") -> list[Path]:
         (wheel,) = out.glob(f"{package.replace('-', '_')}-*.whl")
         wheels.append(wheel)
     return wheels
+
+
+def wheelhouse(out: Path) -> Path:
+    """The runtime's dependencies as wheels in out/deps, for an install that reaches no index."""
+    deps = out / "deps"
+    shutil.rmtree(deps, ignore_errors=True)
+    ours = sorted(out.glob("*.whl"))
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:", "-d", str(deps)]
+    subprocess.run([*cmd, *map(str, ours)], check=True)
+    for wheel in deps.glob("dgr_*.whl"):
+        wheel.unlink()
+    return deps
+
+
+def _base_image() -> str:
+    """A Debian 12 image in local storage: localhost/dgr-debian:12, made once from the Debian
+    archive with mmdebstrap and imported (podman pulls nothing)."""
+    name = "localhost/dgr-debian:12"
+    if subprocess.run(["podman", "image", "exists", name], check=False).returncode == 0:
+        return name
+    tar = cache_dir() / "container" / "debian-12-minbase.tar"
+    if not tar.is_file():
+        tar.parent.mkdir(parents=True, exist_ok=True)
+        mirror = "http://deb.debian.org/debian"
+        sources = [f"deb {mirror} bookworm main", f"deb {mirror} bookworm-updates main"]
+        sources.append("deb http://deb.debian.org/debian-security bookworm-security main")
+        cmd = ["mmdebstrap", "--variant=minbase", "-q", "bookworm", str(tar), *sources]
+        subprocess.run(cmd, check=True)
+    subprocess.run(["podman", "import", "-q", str(tar), name], check=True, capture_output=True)
+    return name
+
+
+def check_container(
+    out: Path, model: Path, layers: str = "0:30", tag: str = "localhost/dgr-worker:dist"
+) -> dict[str, Any]:
+    """Build the worker image from `out` (wheels and deps/), start a worker of `layers` (the whole
+    default model) from it, and ask it for health and a generation from inside the image."""
+    missing = [t for t in ("podman", "buildah", "mmdebstrap") if shutil.which(t) is None]
+    if missing:
+        raise RuntimeError(
+            f"{', '.join(missing)} not installed (apt-get install {' '.join(missing)})"
+        )
+    root = workspace().repo.root
+    base = _base_image()
+    t0 = time.perf_counter()
+    build = ["podman", "build", "-q", "--isolation=chroot", "--network=host"]
+    build += ["--build-arg", f"BASE={base}", "-f", str(root / "Containerfile"), "-t", tag, str(out)]
+    subprocess.run(build, check=True, capture_output=True)
+    built_s = time.perf_counter() - t0
+    container = subprocess.run(
+        ["buildah", "from", "--pull=never", tag], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    run = ["buildah", "run", "--isolation", "chroot", "--network", "host"]
+    port = _free_port()
+    # the image declares /models a volume, which buildah's chroot run shadows: mount elsewhere
+    serve = ["--listen", f"127.0.0.1:{port}", "--model", f"/mnt/models/{model.name}"]
+    serve += ["--layers", layers]
+    worker = subprocess.Popen(
+        [*run, "-v", f"{model.parent}:/mnt/models:ro", container, "--", "dgr", "worker", *serve],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        health = ""
+        for _ in range(120):
+            done = subprocess.run(
+                [*run, container, "--", "dgr", "health", f"127.0.0.1:{port}", "--timeout", "1"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            health = done.stdout.strip() or done.stderr.strip()
+            if done.returncode == 0 or worker.poll() is not None:
+                break
+            time.sleep(1)
+        ask = ["--route", f"127.0.0.1:{port}", "--max-tokens", "12", "The capital of France is"]
+        generated = subprocess.run(
+            [*run, container, "--", "dgr", "generate", *ask],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        user = subprocess.run(
+            [*run, container, "--", "id", "-u"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    finally:
+        worker.terminate()
+        log = worker.communicate(timeout=30)[0]
+        subprocess.run(["buildah", "rm", container], check=False, capture_output=True)
+    return {
+        "base": base,
+        "build_seconds": round(built_s, 1),
+        "user": user,
+        "health": health,
+        "generated": generated.stdout.strip(),
+        "generate_rc": generated.returncode,
+        "worker_log_tail": log.strip().splitlines()[-3:],
+    }
 
 
 def readme_block(readme: Path) -> str:
@@ -157,33 +261,51 @@ def check_install(wheels: list[Path], machine: Path, readme: Path) -> InstallRun
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dgr_native.dist")
     parser.add_argument("--lane", default="cpu")
+    parser.add_argument("--deps", action="store_true", help="the dependencies' wheels in deps/")
     parser.add_argument("--check", action="store_true", help="then run the README install block")
+    parser.add_argument(
+        "--container", action="store_true", help="then build the worker image and run a worker"
+    )
     args = parser.parse_args(argv)
     root = workspace().repo.root
     wheels = build_dist(root / "dist", args.lane)
     for wheel in wheels:
         print(f"{wheel.stat().st_size / 2**20:8.1f} MiB  {wheel.relative_to(root)}")
     result: dict[str, Any] = {"wheels": {w.name: w.stat().st_size for w in wheels}}
+    ok = True
+    if args.deps or args.container:
+        deps = sorted(wheelhouse(root / "dist").glob("*.whl"))
+        print(f"{len(deps)} dependency wheels in dist/deps")
+        result["dependency_wheels"] = len(deps)
     if args.check:
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="dgr-machine-") as tmp:
             run = check_install(wheels, Path(tmp), root / "README.md")
         print(run.stdout[-4000:])
-        ok = run.returncode == 0 and all(run.importable.get(m) for m in PRESENT)
-        ok = ok and not any(run.importable.get(m) for m in ABSENT)
+        installed = run.returncode == 0 and all(run.importable.get(m) for m in PRESENT)
+        installed = installed and not any(run.importable.get(m) for m in ABSENT)
         if run.returncode != 0:
             print(run.stderr[-4000:], file=sys.stderr)
         print(
-            f"README install block on the wheels alone: {'ok' if ok else 'FAILED'} "
+            f"README install block on the wheels alone: {'ok' if installed else 'FAILED'} "
             f"in {run.seconds:.0f} s; importable there: {run.importable}"
         )
-        result |= {"install_ok": ok, "install_seconds": round(run.seconds, 1)}
+        result |= {"install_ok": installed, "install_seconds": round(run.seconds, 1)}
         result |= {"importable": run.importable}
-        report("dist", result)
-        return 0 if ok else 1
+        ok = ok and installed
+    if args.container:
+        from dgr_artifacts.models import model_path
+
+        image = check_container(root / "dist", model_path())
+        print(json.dumps(image, indent=2))
+        served = image["health"].endswith(": SERVING") and image["generate_rc"] == 0
+        served = served and bool(image["generated"]) and image["user"] not in ("", "0")
+        print(f"worker image: {'ok' if served else 'FAILED'}")
+        result["container"] = image | {"ok": served}
+        ok = ok and served
     report("dist", result)
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -40,18 +40,24 @@ class Engine:
         return self.directory / WORKER
 
     def module(self) -> ModuleType:
-        """The engine module, loaded once per process (one instance, whoever asks first)."""
-        loaded = sys.modules.get(MODULE)
-        if loaded is not None:
-            return loaded
+        """The engine module, loaded once per process (one engine per process: asking for
+        another directory's after one is loaded is an error)."""
         found = sorted(self.directory.glob(f"{MODULE}*.so"))
         if not found:
             raise EngineNotFound(f"no {MODULE} module in {self.directory} ({self.source})")
+        loaded = sys.modules.get(MODULE)
+        if loaded is not None:
+            if Path(str(loaded.__file__)).resolve() != found[0].resolve():
+                raise EngineNotFound(f"this process already runs the engine {loaded.__file__}")
+            return loaded
         spec = importlib.util.spec_from_file_location(MODULE, found[0])
         if spec is None or spec.loader is None:
             raise EngineNotFound(f"cannot load {found[0]}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        try:
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except ImportError as exc:  # a shared library the engine links is missing
+            raise EngineNotFound(f"cannot load {found[0]} ({self.source}): {exc}") from exc
         sys.modules[MODULE] = module
         return module
 
@@ -74,8 +80,7 @@ def locate(lane: str | None = None) -> Engine:
     spec = importlib.util.find_spec("dgr_engine")
     if spec is not None and spec.submodule_search_locations:
         engine = _check(Engine(Path(next(iter(spec.submodule_search_locations))), "dgr-engine"))
-        built = engine.build_info().get("lane")
-        if lane is not None and built != lane:
+        if lane is not None and (built := engine.build_info().get("lane")) != lane:
             raise EngineNotFound(
                 f"the installed dgr-engine is built for lane {built!r}, not {lane!r}"
             )

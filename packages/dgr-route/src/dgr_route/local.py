@@ -1,4 +1,4 @@
-"""A model's layer ranges, named, and a chain of engines over them in one process: the
+"""Even layouts of a model's layers, and a chain of engines over them in one process: the
 single-process reference a route is compared with (the demo's parity check, the certification
 harness), computed by the same engine the workers run."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
@@ -15,20 +14,10 @@ from dgr_route.engine import locate
 ENGINE_OPTIONS: dict[str, int] = {"n_threads": 2, "n_ctx": 512, "n_batch": 512, "max_sessions": 1}
 
 
-class LayerRange(NamedTuple):
-    """The layers a stage owns, [first, last); last = -1 means through the model's end."""
-
-    first: int
-    last: int
-
-    def __str__(self) -> str:
-        return f"{self.first}:{self.last}"
-
-
-def even_layout(n_layer: int, n_stages: int) -> list[LayerRange]:
+def even_layout(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
     """`n_stages` contiguous ranges of as equal size as integers allow."""
     bounds = [round(i * n_layer / n_stages) for i in range(n_stages + 1)]
-    return [LayerRange(bounds[i], bounds[i + 1]) for i in range(n_stages)]
+    return [(bounds[i], bounds[i + 1]) for i in range(n_stages)]
 
 
 class Chain:
@@ -38,8 +27,7 @@ class Chain:
         self, model: Path, layout: Sequence[tuple[int, int]], boundary_dtype: str = "f32"
     ) -> None:
         engine = locate().module()
-        ranges = [LayerRange(*r) for r in layout]
-        self.engines = [engine.Engine(str(model), *r, **ENGINE_OPTIONS) for r in ranges]
+        self.engines = [engine.Engine(str(model), a, b, **ENGINE_OPTIONS) for a, b in layout]
         # the token-ID sideband goes to stages that own a hash-routed layer (DeepSeek V4)
         self.sideband = [bool(e.describe()["needs_token_ids"]) for e in self.engines]
         self.dtype = boundary_dtype
