@@ -29,6 +29,11 @@ def engine_source(repo_root: Path) -> Path:
     return repo_root / "native" / "engine"
 
 
+def checkout_key(source: Path) -> str:
+    """Build directories are per checkout as well: CMake ties a build tree to one source path."""
+    return hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:10]
+
+
 def build_identity(lane: str) -> dict[str, str]:
     """What the engine and worker are built from, compiled into them (CMake cache variables):
     the pinned llama.cpp commit, the patch stack's hash and the lane."""
@@ -49,7 +54,7 @@ def configure_engine(lane: str, variant: str, llama_lane: str, extra: list[str])
     llama_bin = build(ws, llama_lane, ["llama"], log=sys.stderr)
     source = engine_source(ws.repo.root)
     identity = build_identity(lane)
-    key = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:10]
+    key = checkout_key(source)
     out = build_root() / f"engine-{key}-{variant or lane}"
     args = [
         "cmake",

@@ -19,7 +19,7 @@ from dgr_llamacpp.workspace import open_workspace
 from dgr_prd.metrics import report
 
 from dgr_native import load
-from dgr_native.build import build_identity
+from dgr_native.build import build_identity, checkout_key, engine_source
 
 UV = os.environ.get("UV", "uv")  # `uv run` names its own executable here
 
@@ -39,12 +39,13 @@ print(json.dumps({"file": m.__file__, "logits": logits[0].view(np.uint32).tolist
 def build_wheel(out_dir: Path, lane: str = "cpu") -> Path:
     ws = open_workspace()
     patched, _ = apply_stack(fetch(ws.pin, ws.root), ws.patched, ws.patches)
-    build = build_root() / f"wheel-{ws.pin.commit[:12]}-{lane}"
+    source = engine_source(ws.repo.root)
+    build = build_root() / f"wheel-{ws.pin.commit[:12]}-{checkout_key(source)}-{lane}"
     cmd = [
         UV,
         "build",
         "--wheel",
-        str(ws.repo.root / "native" / "engine"),
+        str(source),
         "--out-dir",
         str(out_dir),
         "-C",
