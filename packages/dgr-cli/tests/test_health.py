@@ -11,16 +11,16 @@ from dgr_cli import main
 from dgr_cli.workers import descriptor_args, start_worker
 
 
-def test_serving_worker_answers_serving(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    worker = start_worker(smollm2, 0, -1, descriptor=descriptor_args(smollm2), n_ctx=256)
+def test_serving_worker_answers_serving(smollm2: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    worker = start_worker(smollm2, 0, 30, descriptor=descriptor_args(smollm2), n_ctx=256)
     try:
         assert main(["health", worker.address]) == 0
-        assert capsys.readouterr().out.strip() == f"{worker.address}: SERVING"
+        assert capfd.readouterr().out.strip().splitlines()[-1] == f"{worker.address}: SERVING"
     finally:
         worker.stop()
     # stopped: nothing answers any more
     assert main(["health", worker.address, "--timeout", "1"]) == 1
-    assert "UNAVAILABLE" in capsys.readouterr().err
+    assert "UNAVAILABLE" in capfd.readouterr().err
 
 
 def test_closed_port_and_bad_tls_arguments_fail_by_name(

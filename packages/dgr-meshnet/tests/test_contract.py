@@ -9,7 +9,6 @@ from typing import Any
 
 import jsonschema
 import pytest
-from dgr_artifacts.ranges import LayerRange
 from dgr_cli.workers import WorkerProcess
 from dgr_meshnet.certification import seal
 from dgr_meshnet.collect import capacity, descriptor
@@ -47,7 +46,7 @@ def test_live_inputs_validate_against_their_committed_schemas(
     seam = SeamCostInput(
         boundary_bytes_per_token=576 * 4,
         stages=[
-            StageCost(address=x.address, layers=LayerRange(first=x.layers[0], last=x.layers[1]),
+            StageCost(address=x.address, layers=x.layers,
                       compute_ms_per_token=6.5)
             for x in metered_workers
         ],

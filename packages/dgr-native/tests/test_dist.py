@@ -32,6 +32,7 @@ def test_dist_holds_the_engine_and_every_runtime_wheel(dist: list[Path]) -> None
     engine = listing(next(w for w in dist if w.name.startswith("dgr_engine-")))
     for member in ("dgr_engine/dgr-shard-worker", "dgr_engine/libllama.so", "dgr_engine/_dgr_"):
         assert member in engine
+    assert "libllama.so." not in engine  # one file per library, no versioned copies
     # generated from proto/ when the wheel is built, though never committed
     wire = listing(next(w for w in dist if w.name.startswith("dgr_wire-")))
     assert "dgr/v1/shard_pb2_grpc.py" in wire and "dgr/v1/shard_pb2.pyi" in wire

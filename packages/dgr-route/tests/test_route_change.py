@@ -77,7 +77,8 @@ def test_a_dead_stage_is_named_and_the_session_resumes_on_a_replacement(
 
     def replace(err: RouteError) -> Route:
         noticed.append(time.monotonic() - started)
-        lo, hi = session.route.stages[err.stage].layers
+        layers = session.route.stages[err.stage].layers
+        lo, hi = layers.first, layers.last
         replacement.append(start_worker(smollm2, lo, hi, descriptor=descriptor, n_ctx=512))
         addresses = [s.address for s in session.route.stages]
         addresses[err.stage] = replacement[0].address

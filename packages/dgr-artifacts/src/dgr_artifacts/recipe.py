@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 from typing import Annotated, Literal
 
+from dgr_wire.ranges import LayerRange
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from dgr_artifacts.manifest import ArtifactManifest
-from dgr_artifacts.ranges import LayerRange
 
 RECIPE_VERSION: Literal["1.0"] = "1.0"
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]

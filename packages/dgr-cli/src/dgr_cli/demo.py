@@ -37,7 +37,7 @@ def run_demo(args: argparse.Namespace) -> int:
     ]
     print(
         f"{len(workers)} workers up in {time.perf_counter() - t0:.1f} s: "
-        + ", ".join(f"layers [{w.layers[0]}, {w.layers[1]}) at {w.address}" for w in workers)
+        + ", ".join(f"layers [{w.layers.first}, {w.layers.last}) at {w.address}" for w in workers)
     )
     try:
         route = Route.open([w.address for w in workers], wire_dtype=args.wire_dtype, mode=args.mode)

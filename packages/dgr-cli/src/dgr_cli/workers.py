@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dgr_wire.ranges import LayerRange
+
 READY = "DGR-WORKER-READY port="
 METRICS = "DGR-WORKER-METRICS port="  # printed before READY when --metrics-listen is given
 
@@ -23,7 +25,7 @@ class WorkerProcess:
     proc: subprocess.Popen[str]
     host: str
     port: int
-    layers: tuple[int, int]
+    layers: LayerRange
     log: list[str] = field(default_factory=list)
 
     @property
@@ -137,7 +139,11 @@ def start_worker(
                     if pending:
                         log.append(pending.decode(errors="replace"))
                     return WorkerProcess(
-                        proc, host, int(line[len(READY) :].strip()), (first, last), log
+                        proc,
+                        host,
+                        int(line[len(READY) :].strip()),
+                        LayerRange(first=first, last=last),
+                        log,
                     )
         elif proc.poll() is not None:
             break

@@ -9,8 +9,8 @@ from typing import Any
 
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
-from dgr_artifacts.ranges import LayerRange
 from dgr_route.security import PLAIN, Security
+from dgr_wire.ranges import LayerRange
 
 from dgr_meshnet.inputs import CompatibilityDescriptor, RangeCapacityReport
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from dgr_artifacts.ranges import LayerRange
+from dgr_wire.ranges import LayerRange
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INPUT_VERSION: Literal["1.0"] = "1.0"

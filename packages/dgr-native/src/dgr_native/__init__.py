@@ -6,6 +6,7 @@ and releases the GIL while llama.cpp computes. Failures raise `ShardError` with 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -32,7 +33,9 @@ def load(lane: str = "cpu") -> ModuleType:
     return _module
 
 
+@functools.cache
 def engine_dir(lane: str = "cpu") -> Path:
     """The development build's directory (engine module and worker), built for `lane` when
-    missing or stale: the runtime's `dgr.engine` entry point in a checkout."""
+    missing or stale: the runtime's `dgr.engine` entry point in a checkout (checked once per
+    process: starting many workers should not run the build check each time)."""
     return build_engine(lane).parent

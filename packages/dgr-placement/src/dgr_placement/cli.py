@@ -72,8 +72,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def make_plan(model: Path, nodes: Any, args: argparse.Namespace) -> dict[str, Any]:
     from dgr_artifacts.manifest import build_manifest
-    from dgr_artifacts.ranges import LayerRange
     from dgr_artifacts.recipe import Recipe, StagePlacement, main_quantization
+    from dgr_wire.ranges import LayerRange
 
     from dgr_placement import planner
     from dgr_placement.profile import WorkerOptions, probe, profile_model

@@ -26,6 +26,7 @@ import numpy as np
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
 from dgr_wire.codec import BY_NAME, FNV_OFFSET, chunks, decode_logits, prefix_hash
+from dgr_wire.ranges import LayerRange
 
 from dgr_route.security import PLAIN, Security
 
@@ -74,8 +75,8 @@ class Stage:
     metadata: tuple[tuple[str, str], ...] = ()  # per-call credentials (bearer token)
 
     @property
-    def layers(self) -> tuple[int, int]:
-        return self.describe.layer_first, self.describe.layer_last
+    def layers(self) -> LayerRange:
+        return LayerRange(first=self.describe.layer_first, last=self.describe.layer_last)
 
 
 @dataclass
@@ -580,7 +581,10 @@ def check_route(stages: list[Stage]) -> None:
                 )
     expected = 0
     for stage in stages:
-        lo, hi = stage.layers
+        try:
+            lo, hi = stage.layers.first, stage.layers.last
+        except ValueError as exc:  # the worker's Describe, validated as a LayerRange
+            raise RouteError(stage.index, stage.address, f"invalid layer range: {exc}") from exc
         if lo != expected:
             what = "gap" if lo > expected else "overlap"
             raise RouteError(

@@ -473,7 +473,7 @@ def create_app(
             stages.append(
                 {
                     "address": stage.address,
-                    "layers": list(stage.layers),
+                    "layers": [stage.layers.first, stage.layers.last],
                     "sessions": h.sessions,
                     "ready": h.ready,
                 }
