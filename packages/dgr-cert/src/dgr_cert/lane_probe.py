@@ -30,7 +30,24 @@ from dgr_prd.metrics import report, write_bench
 from dgr_route.route import Route
 
 BAR_NMSE = 1e-4
-LAYOUTS = {"smollm2-135m-q4_1": [[(0, 30)], [(0, 15), (15, 30)], [(0, 10), (10, 20), (20, 30)]]}
+# per model: layouts of (first, last, on the probed lane?): all-lane routes, and mixed routes
+# with CPU stages among them. SmolLM2 is Q4_1, where the CPU lane quantizes activations to Q8_1
+# for its integer dot products and a lane without them does not; qwen2-twin is f32 throughout.
+LAYOUTS: dict[str, list[list[tuple[int, int, bool]]]] = {
+    "smollm2-135m-q4_1": [
+        [(0, 30, True)],
+        [(0, 15, True), (15, 30, True)],
+        [(0, 10, True), (10, 20, True), (20, 30, True)],
+        [(0, 15, False), (15, 30, True)],
+    ],
+    "qwen2-twin": [
+        [(0, 8, True)],
+        [(0, 4, True), (4, 8, True)],
+        [(0, 3, True), (3, 6, True), (6, 8, True)],
+        [(0, 4, False), (4, 8, True)],
+        [(0, 3, True), (3, 6, False), (6, 8, True)],
+    ],
+}
 DECODE = 16
 
 
@@ -52,11 +69,11 @@ def device_name() -> str:
 def probe(
     lane: str,
     name: str,
-    layout: list[tuple[int, int]],
+    layout: list[tuple[int, int, bool]],
     reference: tuple[np.ndarray, list[np.ndarray], list[int]],
 ) -> dict[str, Any]:
-    """One layout of `name` on `lane` against `reference`, the CPU lane's (prompt, logits,
-    tokens) in this process."""
+    """One layout of `name` against `reference`, the CPU lane's (prompt, logits, tokens) in this
+    process: each stage on `lane` (every layer on its device) or, where marked so, on the CPU."""
     from dgr_artifacts.models import model_path
 
     model = model_path(name)
@@ -66,11 +83,13 @@ def probe(
         start_worker(
             model, a, b, descriptor=descriptor, n_ctx=512, lane=lane, extra=["--gpu-layers", "-1"]
         )
-        for a, b in layout
+        if on_lane
+        else start_worker(model, a, b, descriptor=descriptor, n_ctx=512)
+        for a, b, on_lane in layout
     ]
     try:
         route = Route.open([w.address for w in workers], timeout=600)
-        lanes = [s.describe.compatibility.lane for s in route.stages]
+        lanes = route.lanes
         t0 = time.perf_counter()
         trace = list(route.trace([int(t) for t in prompt], len(ref_logits)))
         seconds = time.perf_counter() - t0
@@ -85,7 +104,7 @@ def probe(
     steps = [nmse(trace[i][1], ref_logits[i]) for i in range(min(same + 1, len(trace)))]
     return {
         "model": name,
-        "layout": layout,
+        "layout": [[a, b] for a, b, _ in layout],
         "stage_lanes": lanes,
         "steps_compared": len(steps),
         "nmse_per_step": [round(v, 8) for v in steps],
@@ -115,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             "identical" if r["greedy_identical"] else f"diverges at step {r['first_divergence']}"
         )
         print(
-            f"{r['model']} {r['layout']}: NMSE per step {r['nmse_per_step'][:4]}... "
+            f"{r['model']} {r['layout']} {'+'.join(r['stage_lanes'])}: "
+            f"NMSE per step {r['nmse_per_step'][:4]}... "
             f"max {r['nmse_max']:.2e} over {r['steps_compared']} steps, greedy "
             f"{greedy}, "
             f"{r['seconds']} s; bar (NMSE <= {BAR_NMSE:g}, tokens equal): "

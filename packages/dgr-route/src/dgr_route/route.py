@@ -30,12 +30,15 @@ from dgr_wire.ranges import LayerRange
 
 from dgr_route.security import PLAIN, Security
 
+# what every stage of a route must agree on. The lane is not among them: stages of one route may
+# compute on different backends (a GPU machine beside CPU ones), as the boundary is the same
+# bytes whatever computed it; each stage reports its lane (Route.lanes) and a lane's numerics
+# are what its certification records vouch for.
 COMPAT_FIELDS = (
     "model_fingerprint",
     "llama_cpp_commit",
     "patch_stack_sha256",
     "schema_version",
-    "lane",
     "arch",
     "n_layer",
     "recipe",
@@ -279,6 +282,11 @@ class Route:
         check_draft(self.draft, self.mode)
         self.n_layer = self.stages[0].describe.compatibility.n_layer
         self.wire = SeamTraffic()
+
+    @property
+    def lanes(self) -> list[str]:
+        """The backend each stage computes on, as its worker reports it (they may differ)."""
+        return [s.describe.compatibility.lane for s in self.stages]
 
     @classmethod
     def open(
