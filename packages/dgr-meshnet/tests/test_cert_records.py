@@ -5,6 +5,7 @@ exercise the seal and the advertising rule)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -64,11 +65,26 @@ def test_a_sealed_record_verifies_and_any_edit_breaks_it(
         "hardware_sha256": "f" * 64,
         "descriptor": live.model_copy(update={"patch_stack_sha256": "e" * 64}),
         "created_utc": "2026-12-03T01:00:00Z",
+        "device": "llvmpipe (LLVM 15.0.6, 256 bits)",
     }
     for field, value in edits.items():
         edited = good.model_copy(update={field: value})
         with pytest.raises(TamperedRecord, match="edited after it was sealed"):
             verify(edited)
+
+
+def test_a_device_is_sealed_and_a_record_without_one_seals_as_before(
+    live: CompatibilityDescriptor, here: str
+) -> None:
+    on_device = record(live, here, lane="vulkan", device="llvmpipe (LLVM 15.0.6, 256 bits)")
+    verify(on_device)
+    with pytest.raises(TamperedRecord, match="edited after it was sealed"):
+        verify(on_device.model_copy(update={"device": "NVIDIA H200"}))
+    # records sealed before the field existed (the CPU's on disk) keep their seal
+    cpu = record(live, here)
+    content = cpu.model_dump(mode="json", exclude={"record_sha256", "device"})
+    old_seal = json.dumps(content, sort_keys=True, separators=(",", ":"))
+    assert cpu.record_sha256 == hashlib.sha256(old_seal.encode()).hexdigest()
 
 
 def test_records_on_disk(live: CompatibilityDescriptor, here: str, tmp_path: Path) -> None:

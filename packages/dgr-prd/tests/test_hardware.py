@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dgr_prd.hardware import cpu_info, fingerprint, memory_bytes, os_info
+from dgr_prd.hardware import cpu_info, fingerprint, memory_bytes, os_info, parse_vulkan_summary
 from dgr_prd.lanes import available_lanes, missing_lane_reason
 from dgr_prd.model import Lane
 
@@ -52,3 +52,33 @@ def test_lanes_follow_the_hardware() -> None:
     assert Lane.CUDA in available_lanes(nvidia)
     assert Lane.ROCM not in available_lanes(nvidia)
     assert "nvidia-smi" in missing_lane_reason(Lane.CUDA)
+    # a Vulkan device is what vulkaninfo lists, a software one (lavapipe) included
+    lavapipe = {"gpus": [], "vulkan_devices": [{"deviceName": "llvmpipe (LLVM 15.0.6, 256 bits)"}]}
+    assert available_lanes(lavapipe) == [Lane.CPU, Lane.VULKAN]
+    assert Lane.VULKAN not in available_lanes({"gpus": [], "vulkan_devices": []})
+
+
+def test_vulkan_summary_sections() -> None:
+    text = """Devices:
+========
+GPU0:
+\tapiVersion         = 1.3.230
+\tdeviceType         = PHYSICAL_DEVICE_TYPE_CPU
+\tdeviceName         = llvmpipe (LLVM 15.0.6, 256 bits)
+\tdriverName         = llvmpipe
+\tdriverInfo         = Mesa 22.3.6 (LLVM 15.0.6)
+GPU1:
+\tdeviceType         = PHYSICAL_DEVICE_TYPE_DISCRETE_GPU
+\tdeviceName         = NVIDIA H200
+"""
+    assert parse_vulkan_summary(text) == [
+        {
+            "apiVersion": "1.3.230",
+            "deviceType": "PHYSICAL_DEVICE_TYPE_CPU",
+            "deviceName": "llvmpipe (LLVM 15.0.6, 256 bits)",
+            "driverName": "llvmpipe",
+            "driverInfo": "Mesa 22.3.6 (LLVM 15.0.6)",
+        },
+        {"deviceType": "PHYSICAL_DEVICE_TYPE_DISCRETE_GPU", "deviceName": "NVIDIA H200"},
+    ]
+    assert parse_vulkan_summary("") == []

@@ -1,14 +1,19 @@
-"""`nox -s certify -- --lane cpu` (DGR-060): certify this machine's lane for each model. The layout
-parity harness runs every generated layout in process and over real workers (both modes); a
-model passes when every f32 layout is bitwise equal to one process and greedy-identical. Each
-result becomes a sealed certification record (dgr_meshnet.certification) bound to the exact
-descriptor a worker of that build reports and to this machine's hardware fingerprint, written to
-certification/<lane>/. Records are written only from a clean tree, at the commit they name.
+"""`nox -s certify -- --lane cpu|vulkan` (DGR-060, issue 16): certify this machine's lane for each
+model. On the CPU lane the layout parity harness runs every generated layout in process and over
+real workers (both modes); a model passes when every f32 layout is bitwise equal to one process
+and greedy-identical. On another lane the lane probe's layouts (all stages on the lane, and mixed
+with CPU stages) run against the CPU lane's whole model in one process; a model passes when every
+layout keeps the logits' NMSE within 1e-4 and the greedy tokens equal. Each result becomes a
+sealed certification record (dgr_meshnet.certification) bound to the exact descriptor a worker of
+that build reports, to this machine's hardware fingerprint and, off the CPU, to the device as its
+driver names it, written to certification/<lane>/. Records are written only from a clean tree, at
+the commit they name.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -63,12 +68,54 @@ def certify_model(
     )
 
 
+def certify_lane_model(lane: str, name: str, model: Path, commit: str) -> CertificationRecord:
+    """A non-CPU lane: the lane probe's layouts of `name` against the CPU lane in one process."""
+    from dgr_native.parity import reference_run
+
+    from dgr_cert import lane_probe
+
+    if name not in lane_probe.LAYOUTS:
+        raise SystemExit(f"no probe layouts for {name} (known: {', '.join(lane_probe.LAYOUTS)})")
+    reference = reference_run(model, lane_probe.DECODE)
+    rows = [lane_probe.probe(lane, name, layout, reference) for layout in lane_probe.LAYOUTS[name]]
+    for r in rows:
+        print(
+            f"  {'+'.join(r['stage_lanes'])} {r['layout']}: NMSE max {r['nmse_max']:.2e}, greedy "
+            f"{'identical' if r['greedy_identical'] else 'diverges'}: "
+            f"{'met' if r['meets_bar'] else 'MISSED'}",
+            flush=True,
+        )
+    n_layer = max(b for layout in lane_probe.LAYOUTS[name] for _, b, _ in layout)
+    gpu = ["--gpu-layers", "-1"]
+    worker = start_worker(model, 0, n_layer, n_ctx=64, max_sessions=1, lane=lane, extra=gpu)
+    try:
+        described = descriptor(worker.address)
+    finally:
+        worker.stop()
+    if described.lane != lane:
+        raise SystemExit(f"the {lane} lane was asked for, but the worker build is {described.lane}")
+    return seal(
+        descriptor=described,
+        hardware_sha256=hardware_sha256(fingerprint()),
+        lane=lane,
+        model=name,
+        layouts=len(rows),
+        max_abs_logit_diff=max(r["max_abs_logit_diff"] for r in rows),
+        passed=all(r["meets_bar"] for r in rows),
+        device=lane_probe.device_name(),
+        commit=commit,
+        created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     from dgr_artifacts.models import model_path
 
     parser = argparse.ArgumentParser(prog="python -m dgr_cert.certify")
     parser.add_argument("--lane", required=True)
-    parser.add_argument("--model", action="append", help=f"default: {' '.join(DEFAULT_MODELS)}")
+    parser.add_argument(
+        "--model", action="append", help=f"default: {' '.join(DEFAULT_MODELS)} (cpu lane)"
+    )
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     args = parser.parse_args(argv)
     lanes = [lane.value for lane in available_lanes(fingerprint())]
@@ -82,12 +129,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = paths.root / "certification" / args.lane
     records = []
+    if args.lane == "vulkan":  # Mesa's lavapipe is skipped by ggml-vulkan unless named
+        os.environ.setdefault("GGML_VK_VISIBLE_DEVICES", "0")
     for name in args.model or DEFAULT_MODELS:
-        record = certify_model(args.lane, name, model_path(name), git.commit, args.stages)
+        if args.lane == "cpu":
+            record = certify_model(args.lane, name, model_path(name), git.commit, args.stages)
+        else:
+            record = certify_lane_model(args.lane, name, model_path(name), git.commit)
         path = write_record(out, record)
         records.append(record)
         print(
-            f"{name} on {args.lane}: {'PASS' if record.passed else 'FAIL'}, {record.layouts} "
+            f"{name} on {args.lane}{f' ({record.device})' if record.device else ''}: "
+            f"{'PASS' if record.passed else 'FAIL'}, {record.layouts} "
             f"layouts, largest logit difference {record.max_abs_logit_diff:g}; "
             f"{path.relative_to(paths.root)} (sealed {record.record_sha256[:12]})"
         )

@@ -101,7 +101,9 @@ def probe(
     differ = [i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b]
     same = differ[0] if differ else len(tokens)
     # step i's logits follow the same context while every token before it agreed
-    steps = [nmse(trace[i][1], ref_logits[i]) for i in range(min(same + 1, len(trace)))]
+    compared = range(min(same + 1, len(trace)))
+    steps = [nmse(trace[i][1], ref_logits[i]) for i in compared]
+    max_abs = max(float(np.max(np.abs(trace[i][1] - ref_logits[i]))) for i in compared)
     return {
         "model": name,
         "layout": [[a, b] for a, b, _ in layout],
@@ -109,6 +111,7 @@ def probe(
         "steps_compared": len(steps),
         "nmse_per_step": [round(v, 8) for v in steps],
         "nmse_max": max(steps),
+        "max_abs_logit_diff": max_abs,
         "top1_first_step_equal": bool(int(np.argmax(trace[0][1])) == int(np.argmax(ref_logits[0]))),
         "greedy_identical": tokens == ref_tokens,
         "first_divergence": same if same < len(tokens) else None,

@@ -30,6 +30,11 @@ class CertificationRecord(_Input):
     layouts: int = Field(ge=1, description="layouts the parity harness ran")
     max_abs_logit_diff: float = Field(ge=0, description="largest difference from one process")
     passed: bool
+    device: str = Field(
+        default="",
+        max_length=200,
+        description="the device the lane ran on, as its driver reports it (empty: the CPU)",
+    )
     commit: str = Field(pattern=HEX40, description="the clean commit the run was made from")
     created_utc: str = Field(
         min_length=20, max_length=20, pattern=r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$"
@@ -45,7 +50,9 @@ def hardware_sha256(fingerprint: dict[str, object]) -> str:
 
 
 def _content_sha256(record: CertificationRecord) -> str:
-    content = record.model_dump(mode="json", exclude={"record_sha256"})
+    # a record without a device (the CPU's, and every record before the field) seals as before
+    exclude = {"record_sha256"} | ({"device"} if not record.device else set())
+    content = record.model_dump(mode="json", exclude=exclude)
     return hashlib.sha256(
         json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
     ).hexdigest()

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -101,6 +102,26 @@ def gpus() -> list[dict[str, str]]:
     return found
 
 
+def vulkan_devices() -> list[dict[str, str]]:
+    """Vulkan devices as `vulkaninfo --summary` reports them (software ones such as Mesa's
+    lavapipe included: a device type says which); an empty list without vulkaninfo or devices."""
+    return parse_vulkan_summary(_run(["vulkaninfo", "--summary"], timeout=60.0) or "")
+
+
+def parse_vulkan_summary(text: str) -> list[dict[str, str]]:
+    """The `GPUn:` sections of `vulkaninfo --summary`: name, type, driver and API version."""
+    keys = ("deviceName", "deviceType", "driverName", "driverInfo", "apiVersion")
+    found: list[dict[str, str]] = []
+    for line in text.splitlines():
+        if re.match(r"^GPU\d+:$", line.strip()):
+            found.append({})
+            continue
+        key, sep, value = line.strip().partition("=")
+        if found and sep and key.strip() in keys:
+            found[-1][key.strip()] = value.strip()
+    return [d for d in found if "deviceName" in d]
+
+
 def os_info(os_release: Path = Path("/etc/os-release")) -> dict[str, str]:
     info = {"system": platform.system(), "kernel": platform.release()}
     if os_release.is_file():
@@ -130,6 +151,7 @@ def fingerprint() -> dict[str, Any]:
         "cpu": cpu_info(),
         "memory_bytes": memory_bytes(),
         "gpus": gpus(),
+        "vulkan_devices": vulkan_devices(),
         "os": os_info(),
         "compilers": compilers(),
         "python": sys.version.split()[0],
