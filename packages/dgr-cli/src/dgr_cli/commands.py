@@ -54,7 +54,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     model = model_arg(args.model)
     try:
         layers, descriptor = worker_layers(args, model)
-        worker = locate()
+        worker = locate(args.lane)
     except (ValueError, ValidationError, OSError, EngineNotFound, ArtifactError) as exc:
         print(f"dgr worker: {exc}", file=sys.stderr)
         return 2
@@ -72,6 +72,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
         str(args.max_sessions),
         "--n-ctx",
         str(args.n_ctx),
+        "--gpu-layers",
+        str(
+            args.gpu_layers
+            if args.gpu_layers is not None
+            else (0 if args.lane in (None, "cpu") else -1)
+        ),
         *descriptor,
         "--max-queue",
         str(args.max_queue),
@@ -241,6 +247,16 @@ def register_worker(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-sessions", type=int, default=4)
     p.add_argument("--n-ctx", type=int, default=2048)
+    p.add_argument(
+        "--lane",
+        help="the backend to compute on (cpu, vulkan, ...; default: the installed engine's); "
+        "refused when no engine is built for it",
+    )
+    p.add_argument(
+        "--gpu-layers",
+        type=int,
+        help="owned layers on the lane's device (-1: all; default: all off the CPU lane, else 0)",
+    )
     p.add_argument(
         "--max-queue",
         type=int,

@@ -35,7 +35,18 @@ def load(lane: str = "cpu") -> ModuleType:
 
 @functools.cache
 def engine_dir(lane: str = "cpu") -> Path:
-    """The development build's directory (engine module and worker), built for `lane` when
-    missing or stale: the runtime's `dgr.engine` entry point in a checkout (checked once per
-    process: starting many workers should not run the build check each time)."""
+    """The development build's directory (engine module and worker) for `lane`: the runtime's
+    `dgr.engine` entry point in a checkout (checked once per process: starting many workers should
+    not run the build check each time). The CPU lane is built when missing; another lane must
+    have been built once (`dgr-native build --lane L`: it needs its toolchain), and is refused
+    otherwise; a built lane is brought up to date."""
+    from dgr_route.engine import EngineNotFound
+
+    from dgr_native.build import is_built
+
+    if lane != "cpu" and not is_built(lane):
+        raise EngineNotFound(
+            f"no {lane} build in this checkout: `dgr-native build --lane {lane}` builds it "
+            "(`dgr-native lanes` lists what each lane needs)"
+        )
     return build_engine(lane).parent

@@ -75,6 +75,17 @@ def configure_engine(lane: str, variant: str, llama_lane: str, extra: list[str])
     return out
 
 
+def engine_build_dir(lane: str) -> Path:
+    """Where this checkout's engine and worker for `lane` are built."""
+    return build_root() / f"engine-{checkout_key(engine_source(workspace().repo.root))}-{lane}"
+
+
+def is_built(lane: str) -> bool:
+    """This checkout has an engine module and a worker for `lane` (built once; maybe stale)."""
+    out = engine_build_dir(lane)
+    return (out / "dgr-shard-worker").is_file() and any(out.glob("_dgr_engine*.so"))
+
+
 def build_engine(lane: str = "cpu") -> Path:
     """Return the path of the built `_dgr_engine` module, building what is stale."""
     out = configure_engine(

@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="build (or check) the engine module; prints its path")
     build.add_argument("--lane", default="cpu")
+    lanes = sub.add_parser("lanes", help="the lane registry: build, device, certification")
+    lanes.add_argument("--json", action="store_true")
     twin = sub.add_parser("twin", help="generate a DeepSeek V4 twin and record or check it")
     twin.add_argument("name")
     mode = twin.add_mutually_exclusive_group()
@@ -63,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "twin":
         return cmd_twin(args.name, args.record, args.check)
+    if args.command == "lanes":
+        from dgr_native.lanes import main as lanes_main
+
+        return lanes_main(["--json"] if args.json else [])
     print(build_engine(args.lane))
     return 0
 

@@ -368,7 +368,8 @@ LANE_NOTES = {
     "cpu": "built by every test run (DGR-034)",
     "cuda": "planned: needs nvcc and a GPU to certify (issue 16)",
     "rocm": "planned: no ROCm toolchain on these machines",
-    "vulkan": "built with `dgr-native build --lane vulkan` (lane-deps.json)",
+    "vulkan": "built with `dgr-native build --lane vulkan` (lane-deps.json); mixed routes with "
+    "CPU stages allowed",
     "metal": "planned: Apple silicon only",
 }
 
@@ -422,19 +423,20 @@ def render_lane_records(paths: RepoPaths) -> list[str]:
         "advertises a lane only where an intact, passing record matches its exact descriptor "
         "and hardware.",
         "",
-        "| lane | model | layouts | largest logit difference | passed | commit | hardware | "
-        "record |",
-        "|---|---|---|---|---|---|---|---|",
+        "| lane | device | model | layouts | largest logit difference | passed | commit | "
+        "hardware | record |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for path in records:
         r = json.loads(path.read_text(encoding="utf-8"))
         lines.append(
-            f"| {r['lane']} | {r['model']} | {r['layouts']} | {r['max_abs_logit_diff']} | "
+            f"| {r['lane']} | {r.get('device') or 'cpu'} | {r['model']} | {r['layouts']} | "
+            f"{r['max_abs_logit_diff']} | "
             f"{r['passed']} | `{r['commit'][:10]}` | `{r['hardware_sha256'][:12]}` | "
             f"`{r['record_sha256'][:12]}` |"
         )
     if not records:
-        lines.append("| (none) | | | | | | | |")
+        lines.append("| (none) | | | | | | | | |")
     return [*lines, ""]
 
 
