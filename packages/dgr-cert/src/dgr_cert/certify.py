@@ -102,7 +102,7 @@ def certify_lane_model(lane: str, name: str, model: Path, commit: str) -> Certif
         layouts=len(rows),
         max_abs_logit_diff=max(r["max_abs_logit_diff"] for r in rows),
         passed=all(r["meets_bar"] for r in rows),
-        device=lane_probe.device_name(),
+        device=lane_probe.device_name(lane),
         commit=commit,
         created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )

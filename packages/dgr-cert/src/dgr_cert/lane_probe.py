@@ -55,8 +55,18 @@ def nmse(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.sum((got - want) ** 2) / np.sum(want**2))
 
 
-def device_name() -> str:
-    """The Vulkan device as its driver reports it (vulkaninfo), or what is missing."""
+def device_name(lane: str = "vulkan") -> str:
+    """The lane's device as its driver reports it (vulkaninfo, nvidia-smi), or what is missing."""
+    if lane == "cuda":
+        if shutil.which("nvidia-smi") is None:
+            return "unknown (nvidia-smi not found: the NVIDIA driver is not installed)"
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        return out.splitlines()[0].strip() if out.strip() else "none"
     if shutil.which("vulkaninfo") is None:
         return "unknown (vulkaninfo not installed: apt-get install vulkan-tools)"
     out = subprocess.run(
@@ -147,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     result = {
         "lane": args.lane,
-        "device": device_name(),
+        "device": device_name(args.lane),
         "env": {k: v for k, v in os.environ.items() if k.startswith("GGML_VK_")},
         "bar": {"nmse_max": BAR_NMSE, "greedy_identical": True},
         "rows": rows,

@@ -16,19 +16,11 @@ from typing import Any
 from dgr_llamacpp.build import LANE_OPTIONS
 from dgr_meshnet.certification import TamperedRecord, hardware_sha256, read_record
 from dgr_prd.hardware import fingerprint
+from dgr_prd.lanes import NOT_BUILT as PLANNED
 from dgr_prd.model import Lane
 from dgr_prd.paths import find_root
 
 from dgr_native.build import is_built
-
-# lanes that cannot be built here, and why
-PLANNED = {
-    Lane.CUDA: "not built here yet: ggml-cuda for one architecture (sm_90) needs nvcc and cuBLAS "
-    "(PyPI's nvidia-cuda-nvcc and nvidia-cublas) and well over an hour on 2 cores; certified only "
-    "on a machine with an NVIDIA GPU",
-    Lane.ROCM: "planned: no ROCm toolchain (hipcc) in Debian 12's or PyPI's packages, no AMD GPU",
-    Lane.METAL: "planned: Metal exists on Apple silicon under macOS only",
-}
 
 
 @dataclass

@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt
 
 from dgr_prd.evidence import EvidenceRecord, Result, all_records, story_dir
 from dgr_prd.handoff import flatten_metrics, hardware_line
+from dgr_prd.lanes import NOT_BUILT
 from dgr_prd.model import Lane, Prd, Status, Story
 from dgr_prd.paths import RepoPaths
 from dgr_prd.projections import story_body
@@ -366,11 +367,9 @@ def _soak_plot(samples: list[dict[str, Any]], warmup_s: float, out: Path) -> Non
 # what the evidence cannot say about a lane that never ran here
 LANE_NOTES = {
     "cpu": "built by every test run (DGR-034)",
-    "cuda": "planned: needs nvcc and a GPU to certify (issue 16)",
-    "rocm": "planned: no ROCm toolchain on these machines",
     "vulkan": "built with `dgr-native build --lane vulkan` (lane-deps.json); mixed routes with "
     "CPU stages allowed",
-    "metal": "planned: Apple silicon only",
+    **{lane.value: why for lane, why in NOT_BUILT.items()},
 }
 
 
