@@ -38,7 +38,8 @@ struct Args {
     int poll = 0;      // ggml threadpool spin level between graphs (0 sleeps, 100 spins)
     int prio = 0;      // compute threads' priority, as llama.cpp's --prio (0 normal .. 3 realtime)
     int rollback = 16; // rejected drafts one forward may drop where state is not positional (V4)
-    int gpu_layers = 0; // owned layers on the lane's device (-1: all; the CPU lane has none)
+    // owned layers on the lane's device: all of them (-1) on a build of another lane than the CPU
+    int gpu_layers = std::string(dgr::build_info().lane) == "cpu" ? 0 : -1;
     bool mtp = false;  // serve MTP (nextn) layers: reserved, the engine refuses it in alpha
     bool warmup = true;
     int keepalive_ms = dgr::worker::kKeepaliveMs;  // every link, both sides

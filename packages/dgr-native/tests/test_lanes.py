@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from dgr_native.lanes import PLANNED, registry
+from dgr_native.lanes import registry
+from dgr_prd.lanes import NOT_BUILT
 from dgr_route.engine import ENV, EngineNotFound, locate
 
 
@@ -20,7 +21,7 @@ def test_registry_lists_every_lane_with_build_device_and_records() -> None:
     assert lanes["cpu"].built and lanes["cpu"].devices  # the tests run on it
     assert "-DGGML_VULKAN=ON" in lanes["vulkan"].flags
     for lane in ("rocm", "metal"):
-        assert not lanes[lane].built and lanes[lane].note == PLANNED[lane]
+        assert not lanes[lane].built and lanes[lane].note == NOT_BUILT[lane]
     # the committed record: the f32 twin, certified on lavapipe (mixed layouts included)
     assert any(c.startswith("qwen2-twin on llvmpipe") for c in lanes["vulkan"].certified)
     assert any(c.startswith("smollm2-135m-q4_1 on cpu") for c in lanes["cpu"].certified)

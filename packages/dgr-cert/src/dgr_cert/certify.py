@@ -48,7 +48,25 @@ def certify_model(
         for k, v in layout.items()
         if k.startswith("workers_") and k.endswith("_max_abs_logit_diff")
     ]
-    worker = start_worker(model, 0, int(m["n_layer"]), n_ctx=64, max_sessions=1)
+    return sealed(
+        lane,
+        name,
+        model,
+        int(m["n_layer"]),
+        commit,
+        layouts=int(m["layouts"]),
+        max_abs_logit_diff=float(max([m["in_process_f32_max_abs_logit_diff"], *worker_diffs])),
+        passed=bool(m["in_process_f32_all_bitwise"] and m["workers_all_bitwise"] is True),
+    )
+
+
+def sealed(
+    lane: str, name: str, model: Path, n_layer: int, commit: str, **figures: object
+) -> CertificationRecord:
+    """The record of a certification run's `figures`, bound to the descriptor a worker of this
+    build reports for the whole model on `lane` and to this machine's hardware."""
+    extra = [] if lane == "cpu" else ["--gpu-layers", "-1"]
+    worker = start_worker(model, 0, n_layer, n_ctx=64, max_sessions=1, lane=lane, extra=extra)
     try:
         described = descriptor(worker.address)
     finally:
@@ -60,11 +78,9 @@ def certify_model(
         hardware_sha256=hardware_sha256(fingerprint()),
         lane=lane,
         model=name,
-        layouts=int(m["layouts"]),
-        max_abs_logit_diff=float(max([m["in_process_f32_max_abs_logit_diff"], *worker_diffs])),
-        passed=bool(m["in_process_f32_all_bitwise"] and m["workers_all_bitwise"] is True),
         commit=commit,
         created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **figures,
     )
 
 
@@ -85,26 +101,16 @@ def certify_lane_model(lane: str, name: str, model: Path, commit: str) -> Certif
             f"{'met' if r['meets_bar'] else 'MISSED'}",
             flush=True,
         )
-    n_layer = max(b for layout in lane_probe.LAYOUTS[name] for _, b, _ in layout)
-    gpu = ["--gpu-layers", "-1"]
-    worker = start_worker(model, 0, n_layer, n_ctx=64, max_sessions=1, lane=lane, extra=gpu)
-    try:
-        described = descriptor(worker.address)
-    finally:
-        worker.stop()
-    if described.lane != lane:
-        raise SystemExit(f"the {lane} lane was asked for, but the worker build is {described.lane}")
-    return seal(
-        descriptor=described,
-        hardware_sha256=hardware_sha256(fingerprint()),
-        lane=lane,
-        model=name,
+    return sealed(
+        lane,
+        name,
+        model,
+        max(b for layout in lane_probe.LAYOUTS[name] for _, b, _ in layout),
+        commit,
         layouts=len(rows),
         max_abs_logit_diff=max(r["max_abs_logit_diff"] for r in rows),
         passed=all(r["meets_bar"] for r in rows),
         device=lane_probe.device_name(lane),
-        commit=commit,
-        created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import time
 from typing import Any
@@ -56,24 +55,20 @@ def nmse(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def device_name(lane: str = "vulkan") -> str:
-    """The lane's device as its driver reports it (vulkaninfo, nvidia-smi), or what is missing."""
-    if lane == "cuda":
-        if shutil.which("nvidia-smi") is None:
-            return "unknown (nvidia-smi not found: the NVIDIA driver is not installed)"
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
-        return out.splitlines()[0].strip() if out.strip() else "none"
-    if shutil.which("vulkaninfo") is None:
+    """The lane's device as its driver reports it (the hardware fingerprint's vulkaninfo and
+    nvidia-smi readings), or what is missing."""
+    from dgr_native.lanes import devices
+    from dgr_prd.hardware import gpus, vulkan_devices
+    from dgr_prd.model import Lane
+
+    found = devices(Lane(lane), {"gpus": gpus(), "vulkan_devices": vulkan_devices()})
+    if found:
+        return found[0]
+    if lane == "cuda" and shutil.which("nvidia-smi") is None:
+        return "unknown (nvidia-smi not found: the NVIDIA driver is not installed)"
+    if lane == "vulkan" and shutil.which("vulkaninfo") is None:
         return "unknown (vulkaninfo not installed: apt-get install vulkan-tools)"
-    out = subprocess.run(
-        ["vulkaninfo", "--summary"], capture_output=True, text=True, timeout=60
-    ).stdout
-    names = [line.split("=", 1)[1].strip() for line in out.splitlines() if "deviceName" in line]
-    return names[0] if names else "none"
+    return "none"
 
 
 def probe(

@@ -72,12 +72,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
         str(args.max_sessions),
         "--n-ctx",
         str(args.n_ctx),
-        "--gpu-layers",
-        str(
-            args.gpu_layers
-            if args.gpu_layers is not None
-            else (0 if args.lane in (None, "cpu") else -1)
-        ),
         *descriptor,
         "--max-queue",
         str(args.max_queue),
@@ -96,6 +90,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
             if value
             for arg in (flag, str(value))
         ],
+        # 0 is a value here (the worker's default off the CPU lane is all layers)
+        *(["--gpu-layers", str(args.gpu_layers)] if args.gpu_layers is not None else []),
         *(["--mtp"] if args.mtp else []),
     ]
     os.execv(cmd[0], cmd)  # the worker replaces this process: signals reach it directly

@@ -7,30 +7,19 @@ and releases the GIL while llama.cpp computes. Failures raise `ShardError` with 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 from dgr_native.build import build_engine
 
-_module: ModuleType | None = None
 
-
+@functools.cache
 def load(lane: str = "cpu") -> ModuleType:
-    """The `_dgr_engine` extension, built for `lane` when missing or stale (a no-op otherwise)."""
-    global _module
-    if _module is None and "_dgr_engine" in sys.modules:  # loaded by the runtime's locator
-        _module = sys.modules["_dgr_engine"]
-    if _module is None:
-        path: Path = build_engine(lane)
-        spec = importlib.util.spec_from_file_location("_dgr_engine", path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load the engine module from {path}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["_dgr_engine"] = _module = module
-    return _module
+    """The `_dgr_engine` extension, built for `lane` when missing or stale (checked once per
+    process), loaded as the runtime loads it (dgr_route.engine.Engine: one engine per process)."""
+    from dgr_route.engine import Engine
+
+    return Engine(build_engine(lane).parent, f"dgr-native's {lane} build").module()
 
 
 @functools.cache

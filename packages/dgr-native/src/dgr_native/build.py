@@ -54,8 +54,7 @@ def configure_engine(lane: str, variant: str, llama_lane: str, extra: list[str])
     llama_bin = build(ws, llama_lane, ["llama"], log=sys.stderr)
     source = engine_source(ws.repo.root)
     identity = build_identity(lane)
-    key = checkout_key(source)
-    out = build_root() / f"engine-{key}-{variant or lane}"
+    out = engine_build_dir(variant or lane)
     args = [
         "cmake",
         "-S",

@@ -16,7 +16,7 @@ from typing import Any
 from dgr_llamacpp.build import LANE_OPTIONS
 from dgr_meshnet.certification import TamperedRecord, hardware_sha256, read_record
 from dgr_prd.hardware import fingerprint
-from dgr_prd.lanes import NOT_BUILT as PLANNED
+from dgr_prd.lanes import NOT_BUILT
 from dgr_prd.model import Lane
 from dgr_prd.paths import find_root
 
@@ -66,7 +66,7 @@ def registry() -> list[LaneStatus]:
                 built=is_built(lane.value),
                 devices=devices(lane, hardware),
                 certified=certified,
-                note=PLANNED.get(lane, ""),
+                note=NOT_BUILT.get(lane, ""),
             )
         )
     return out
