@@ -50,6 +50,7 @@ void Batcher::take_turn(std::unique_lock<std::mutex> & lock) {
     }
     try {
         const ComputeSlots::Hold slot = slots_.acquire();
+        engine_.use_priority(slot.alone());
         engine_.forward_batch(batch);
     } catch (...) {
         for (auto & b : batch) {

@@ -18,6 +18,8 @@
 #include <chrono>
 #include <csignal>
 #include <malloc.h>
+#include <pthread.h>
+#include <sched.h>
 #include <cstdlib>
 #include <unistd.h>
 #include <fstream>
@@ -36,7 +38,8 @@ struct Args {
     int32_t first = 0, last = -1, threads = 2, n_ctx = 2048, n_batch = 512, max_sessions = 4;
     int drain_seconds = 10;
     int poll = 0;      // ggml threadpool spin level between graphs (0 sleeps, 100 spins)
-    int prio = 0;      // compute threads' priority, as llama.cpp's --prio (0 normal .. 3 realtime)
+    int prio = -1;     // compute threads' priority, as llama.cpp's --prio (0 normal .. 3 realtime);
+                       // -1 (auto): 1 where allowed and the host's workers take turns (below)
     int rollback = 16; // rejected drafts one forward may drop where state is not positional (V4)
     // owned layers on the lane's device: all of them (-1) on a build of another lane than the CPU
     int gpu_layers = std::string(dgr::build_info().lane) == "cpu" ? 0 : -1;
@@ -108,7 +111,10 @@ void parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--recipe-id") a.service.recipe = recipe_id(val());
         else if (k == "--drain-seconds") a.drain_seconds = to_int(k, val(), 0, 3600);
         else if (k == "--poll") a.poll = to_int(k, val(), 0, 100);
-        else if (k == "--prio") a.prio = to_int(k, val(), 0, 3);
+        else if (k == "--prio") {
+            const std::string v = val();
+            a.prio = v == "auto" ? -1 : to_int(k, v, 0, 3);
+        }
         else if (k == "--rollback") a.rollback = to_int(k, val(), 0, 64);
         else if (k == "--gpu-layers") a.gpu_layers = to_int(k, val(), -1, 4096);
         else if (k == "--mtp") a.mtp = true;
@@ -129,6 +135,35 @@ void parse_args(int argc, char ** argv, Args & a) {
     if (a.model.empty()) throw std::invalid_argument("--model is required");
     if (a.tls_cert.empty() != a.tls_key.empty()) throw std::invalid_argument("--tls-cert and --tls-key go together");
     if (!a.tls_client_ca.empty() && a.tls_cert.empty()) throw std::invalid_argument("--tls-client-ca needs --tls-cert and --tls-key");
+}
+
+// Whether this process may give its threads a realtime policy (CAP_SYS_NICE, or RLIMIT_RTPRIO):
+// tried on a thread of its own, so that no thread of the worker keeps it.
+bool realtime_allowed() {
+    bool ok = false;
+    std::thread([&ok] {
+        sched_param p{};
+        p.sched_priority = 40;  // ggml's GGML_SCHED_PRIO_MEDIUM
+        ok = pthread_setschedparam(pthread_self(), SCHED_FIFO, &p) == 0;
+    }).join();
+    return ok;
+}
+
+// --prio auto. ggml's barriers spin: a compute thread preempted by any other thread of the host
+// (gRPC's pollers and handlers, a neighbouring stage passing its output on, the coordinator)
+// stalls its whole graph until it runs again; on a 2-core host running 3 stages at 2 threads
+// each, that cost a route 15-20% of its decode speed. Compute threads at SCHED_FIFO (llama.cpp's
+// --prio 1) are never preempted by them. Realtime threads that spin must never outnumber the
+// cores, which the compute slots see to (a graph that got no slot computes at normal priority):
+// with slots off, or where the policy is not allowed, compute stays at normal priority.
+int resolve_prio(const Args & a) {
+    if (a.prio >= 0) return a.prio;
+    if (a.compute_slots == "none") return 0;
+    if (!realtime_allowed()) {
+        std::cerr << "dgr-shard-worker: compute threads at normal priority (SCHED_FIFO needs CAP_SYS_NICE)\n";
+        return 0;
+    }
+    return 1;
 }
 
 // a prefill and a few decode steps on a scratch session, so that buffers, threads and pages are
@@ -178,31 +213,10 @@ int main(int argc, char ** argv) {
                   << "usage: dgr-shard-worker --model PATH --layers FIRST:LAST [--listen HOST:PORT] [--threads N]\n"
                      "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--max-batch N]\n"
                      "  [--model-fingerprint HEX] [--recipe-id ID] [--drain-seconds N] [--version]\n"
-                     "  [--poll 0-100] [--prio 0-3] [--rollback 0-64] [--gpu-layers N|-1] [--no-warmup] [--compute-slots DIR|auto|none] [--mtp] [--auth-token-file F]\n"
+                     "  [--poll 0-100] [--prio auto|0-3] [--rollback 0-64] [--gpu-layers N|-1] [--no-warmup] [--compute-slots DIR|auto|none] [--mtp] [--auth-token-file F]\n"
                      "  [--metrics-listen HOST:PORT]\n"
                      "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F] [--keepalive-ms N]\n";
         return 2;
-    }
-    std::unique_ptr<dgr::ShardEngine> engine;
-    try {
-        dgr::EngineOptions o;
-        o.model_path = args.model;
-        o.layer_first = args.first;
-        o.layer_last = args.last;
-        o.n_threads = args.threads;
-        o.n_ctx = args.n_ctx;
-        o.n_batch = args.n_batch;
-        o.max_sessions = args.max_sessions;
-        o.poll = args.poll;
-        o.prio = args.prio;
-        o.rollback = args.rollback;
-        o.gpu_layers = args.gpu_layers;
-        o.load_mtp = args.mtp;
-        engine = dgr::ShardEngine::open(o);
-        if (args.warmup) warm_up(*engine);
-    } catch (const dgr::ShardError & e) {
-        std::cerr << "dgr-shard-worker: " << e.what() << "\n";
-        return 3;
     }
     // compute slots shared with the other workers of this host (slots.h); "auto": a directory per
     // user and thread count under the temporary directory
@@ -214,6 +228,34 @@ int main(int argc, char ** argv) {
         }
         args.service.compute_slots_dir = dir;
         args.service.compute_slots = dgr::worker::default_slot_count(args.threads);
+    }
+    args.prio = resolve_prio(args);
+    std::unique_ptr<dgr::ShardEngine> engine;
+    try {
+        dgr::EngineOptions o;
+        o.model_path = args.model;
+        o.layer_first = args.first;
+        o.layer_last = args.last;
+        o.n_threads = args.threads;
+        o.n_ctx = args.n_ctx;
+        o.n_batch = args.n_batch;
+        o.max_sessions = args.max_sessions;
+        o.poll = args.poll;
+        o.sleep_when_idle = true;
+        o.prio = args.prio;
+        o.rollback = args.rollback;
+        o.gpu_layers = args.gpu_layers;
+        o.load_mtp = args.mtp;
+        engine = dgr::ShardEngine::open(o);
+        if (args.warmup) {  // a compute like any other: in a slot
+            dgr::worker::ComputeSlots slots(args.service.compute_slots_dir, args.service.compute_slots);
+            const auto hold = slots.acquire();
+            engine->use_priority(hold.alone());
+            warm_up(*engine);
+        }
+    } catch (const dgr::ShardError & e) {
+        std::cerr << "dgr-shard-worker: " << e.what() << "\n";
+        return 3;
     }
     // peers (the next stage, the head) are reached with this worker's own credentials
     dgr::worker::PeerOptions peers;

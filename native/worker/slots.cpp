@@ -51,9 +51,9 @@ ComputeSlots::Hold ComputeSlots::acquire() {
             const int fd = fds_[(size_t) next_ % fds_.size()];
             next_ = (next_ + 1) % (int) fds_.size();
             if (flock(fd, LOCK_EX | LOCK_NB) == 0) return Hold(fd);
-            if (errno != EWOULDBLOCK && errno != EINTR) return Hold();  // cannot lock: compute anyway
+            if (errno != EWOULDBLOCK && errno != EINTR) return Hold(-1, false);  // cannot lock: compute anyway
         }
-        if (std::chrono::steady_clock::now() > give_up) return Hold();
+        if (std::chrono::steady_clock::now() > give_up) return Hold(-1, false);
         std::this_thread::sleep_for(pause);
         pause = std::min(pause * 2, std::chrono::microseconds(200));
     }

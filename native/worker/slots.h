@@ -24,17 +24,22 @@ public:
     class Hold {
     public:
         Hold() = default;
-        explicit Hold(int fd) : fd_(fd) {}
-        Hold(Hold && other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+        explicit Hold(int fd, bool alone = true) : fd_(fd), alone_(alone) {}
+        Hold(Hold && other) noexcept : fd_(other.fd_), alone_(other.alone_) { other.fd_ = -1; }
         Hold & operator=(Hold &&) = delete;
         Hold(const Hold &) = delete;
         ~Hold();
+        // the graph computes without another's beside it, as far as the slots know: a slot was
+        // taken, or the host has no slots (its workers' placement is the operator's)
+        bool alone() const { return alone_; }
 
     private:
         int fd_ = -1;
+        bool alone_ = true;
     };
 
-    // waits until any slot is free, or kMaxWait with every slot held (then computes without one)
+    // waits until any slot is free, or kMaxWait with every slot held (then computes without one,
+    // and at normal priority: Hold::alone is false)
     Hold acquire();
     static constexpr std::chrono::milliseconds kMaxWait{2000};
     int count() const { return (int) fds_.size(); }

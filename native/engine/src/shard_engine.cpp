@@ -11,10 +11,12 @@
 #include <atomic>
 #include <cstring>
 #include <fstream>
-#include <unordered_set>
 #include <map>
 #include <mutex>
+#include <pthread.h>
+#include <sched.h>
 #include <set>
+#include <unordered_set>
 
 namespace dgr {
 
@@ -300,9 +302,11 @@ public:
         ggml_threadpool_params tpp = ggml_threadpool_params_default(options.n_threads);
         tpp.poll = (uint32_t) options.poll;
         tpp.prio = (ggml_sched_priority) options.prio;
+        tpp.paused = options.sleep_when_idle;
         threadpool_ = ggml_threadpool_new(&tpp);
         if (threadpool_ != nullptr) {
             llama_attach_threadpool(ctx_, threadpool_, threadpool_);
+            attached_ = threadpool_;
         }
 
         desc_.arch = arch;
@@ -342,6 +346,7 @@ public:
     ~LlamaShardEngine() override {
         if (ctx_) llama_free(ctx_);
         if (threadpool_) ggml_threadpool_free(threadpool_);
+        if (threadpool_normal_) ggml_threadpool_free(threadpool_normal_);
         if (model_) llama_model_free(model_);
     }
 
@@ -394,6 +399,30 @@ public:
         forward_batch(one);
         if (one[0].error) std::rethrow_exception(one[0].error);
         return std::move(one[0].result);
+    }
+
+    void use_priority(bool on) override { want_priority_.store(on); }
+
+    // the pool this forward computes with, as use_priority asked (with forward_batch's lock held)
+    void attach_pool() {
+        if (threadpool_ == nullptr || options_.prio <= 0) return;
+        const bool on = want_priority_.load();
+        if (!on && threadpool_normal_ == nullptr) {
+            ggml_threadpool_params tpp = ggml_threadpool_params_default(options_.n_threads);
+            tpp.poll = (uint32_t) options_.poll;
+            tpp.paused = options_.sleep_when_idle;
+            threadpool_normal_ = ggml_threadpool_new(&tpp);
+            if (threadpool_normal_ == nullptr) return;  // no second pool: keep the first
+        }
+        ggml_threadpool * want = on ? threadpool_ : threadpool_normal_;
+        if (want != attached_) {
+            llama_attach_threadpool(ctx_, want, want);
+            attached_ = want;
+        }
+        if (!on) {  // the calling thread may hold the realtime policy from an earlier graph
+            sched_param p{};
+            pthread_setschedparam(pthread_self(), SCHED_OTHER, &p);
+        }
     }
 
     void forward_batch(std::vector<BatchItem> & items) override {
@@ -477,9 +506,13 @@ public:
             rc = -1;
             detail = "boundary rejected: " + take_or("no detail");
         } else {
+            attach_pool();
             rc = llama_decode(ctx_, batch);
             if (rc != 0) detail = "llama_decode returned " + std::to_string(rc) + ": " + take_or("no detail");
         }
+        // a paused pool resumes at its next graph, where ggml also gives the calling thread (a
+        // worker's handler, compute thread 0) the pool's priority
+        if (attached_ != nullptr && options_.sleep_when_idle) ggml_threadpool_pause(attached_);
         llama_batch_free(batch);
         if (rc != 0) {
             // keep every cache equal to what its coordinator believes: drop anything half-written;
@@ -656,6 +689,9 @@ private:
     llama_model * model_ = nullptr;
     llama_context * ctx_ = nullptr;
     ggml_threadpool * threadpool_ = nullptr;
+    ggml_threadpool * threadpool_normal_ = nullptr;  // at prio > 0: the pool of use_priority(false)
+    ggml_threadpool * attached_ = nullptr;           // the pool the context computes with
+    std::atomic<bool> want_priority_{true};
     bool staged_boundary_ = false;
     std::vector<float> staging_;
     mutable std::mutex mutex_;

@@ -66,6 +66,9 @@ struct EngineOptions {
     int32_t max_sessions = 4;
     int32_t poll = 0;           // threadpool spin level between graphs (0: sleep, 100: spin); a
                                 // spinning pool steals the cores the next stage computes on
+    bool sleep_when_idle = false;  // compute threads sleep after every forward, whatever `poll`
+                                   // (an idle stage takes no CPU from the stage computing beside
+                                   // it), and the calling thread takes `prio` at each forward
     int32_t prio = 0;           // compute threads' scheduling priority, as llama.cpp's --prio:
                                 // 0 normal, 1 medium, 2 high, 3 realtime (SCHED_FIFO; needs
                                 // CAP_SYS_NICE, else ggml warns and keeps normal)
@@ -164,6 +167,12 @@ public:
     // its session is untouched, the others compute together; a failed decode fails them all and
     // rolls each back. Sessions must differ, and the tokens together fit n_batch.
     virtual void forward_batch(std::vector<BatchItem> & items) = 0;
+    // Whether the next forwards compute at the options' `prio` (true, the default) or at normal
+    // priority, every compute thread of theirs included. ggml's barriers spin and equal-priority
+    // realtime threads do not take turns: two graphs' realtime threads sharing too few cores can
+    // stall each other for good, so a caller that could not make sure its graph computes alone
+    // (a worker that got no compute slot) computes at normal priority. A no-op at prio 0.
+    virtual void use_priority(bool on) = 0;
     virtual void release(uint64_t session) = 0;
     // release the session only while it is at `epoch` (a stream of an older epoch ending after a
     // route change must not drop the newer cache); returns whether it released

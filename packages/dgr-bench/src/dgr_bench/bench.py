@@ -40,10 +40,13 @@ THREAD_COUNTS = (1, 2)
 GATE_THREADS = 2  # the protocol the alpha thresholds were locked with
 STAGES = (1, 2, 3, 4)
 RPC_SERVERS = (2, 3)
-# the single-process reference is the faster of llama-bench as upstream builds it (OpenMP) and as
-# DGR's lane builds it (ggml's threadpool): DGR is held to the better of the two
+# the single-process reference is the fastest of llama-bench as upstream builds it (OpenMP), as
+# DGR's lane builds it (ggml's threadpool), and that build with the compute threads' priority DGR's
+# workers take where allowed (`--prio 1`, SCHED_FIFO): DGR is held to the best of the three
 SINGLE_STOCK = "llama-bench, upstream build"
 SINGLE_LANE = "llama-bench, DGR lane build"
+SINGLE_PRIO = "llama-bench, DGR lane build, --prio 1"
+SINGLES = (SINGLE_STOCK, SINGLE_LANE, SINGLE_PRIO)
 ENGINE = "engine in one process"
 ONE, THREE = "DGR forward 1 stage", "DGR forward 3 stages"
 RPC2 = "llama.cpp RPC (2 servers)"
@@ -180,15 +183,23 @@ def time_route(
 
 
 def route_round(route: Route, prompt: list[int], decode_tokens: int) -> dict[str, float]:
-    """One greedy generation over `route`: prefill and decode tokens/s."""
+    """One greedy generation over `route`: prefill and decode tokens/s.
+
+    Both are timed from generations that end with the route idle: a prefill alone (the prompt
+    and its first token), then the prompt with `decode_tokens` more; decode is the difference. The
+    arrival of the first token of a longer generation is no clock: in forward mode the stages go
+    on decoding at once, and on a host they share with the coordinator (its compute threads at a
+    realtime priority) the coordinator may see that token only some tokens later, which would
+    shorten the decode it times."""
     t0 = time.perf_counter()
-    stream = route.generate(prompt, decode_tokens + 1)
-    next(stream)
+    for _ in route.generate(prompt, 1):
+        pass
     t1 = time.perf_counter()
-    for _ in stream:
+    for _ in route.generate(prompt, decode_tokens + 1):
         pass
     t2 = time.perf_counter()
-    return {"prefill": len(prompt) / (t1 - t0), "decode": decode_tokens / (t2 - t1)}
+    first = t1 - t0
+    return {"prefill": len(prompt) / first, "decode": decode_tokens / max(t2 - t1 - first, 1e-9)}
 
 
 def concurrent_decode(
@@ -299,6 +310,9 @@ def paired(
         setups = {
             SINGLE_STOCK: lambda: llama_bench(with_rpc / "llama-bench", model, [], threads, 1),
             SINGLE_LANE: lambda: llama_bench(plain / "llama-bench", model, [], threads, 1),
+            SINGLE_PRIO: lambda: llama_bench(
+                plain / "llama-bench", model, ["--prio", "1"], threads, 1
+            ),
             ENGINE: lambda: engine_round(engine, prompt),
             ONE: lambda: route_round(routes[1], prompt, DECODE_TOKENS),
             THREE: lambda: route_round(routes[3], prompt, DECODE_TOKENS),
@@ -323,11 +337,11 @@ def paired(
 
 
 def paired_ratios(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
-    """Per-round ratios (the single-process reference is that round's faster llama-bench build)
+    """Per-round ratios (the single-process reference is that round's fastest llama-bench setup)
     and their medians; the medians are the gate's values."""
 
     def single(r: dict[str, dict[str, float]], key: str) -> float:
-        return max(r[SINGLE_STOCK][key], r[SINGLE_LANE][key])
+        return max(r[name][key] for name in SINGLES)
 
     per_round: dict[str, list[float]] = {
         "decode_ratio_3stage_vs_single": [r[THREE]["decode"] / single(r, "decode") for r in rounds],
@@ -414,9 +428,7 @@ def measure(
 ) -> dict[str, dict[str, float]]:
     """Every setup's row. The references (llama-bench, the engine, RPC with 2 servers) are the
     interleaved rounds' medians, `references`, not timed a second time."""
-    rows: dict[str, dict[str, float]] = {
-        k: references[k] for k in (SINGLE_STOCK, SINGLE_LANE, ENGINE)
-    }
+    rows: dict[str, dict[str, float]] = {k: references[k] for k in (*SINGLES, ENGINE)}
     for n in STAGES:
         for mode, row in dgr_route(model, n, n_layer, descriptor, rounds, threads).items():
             rows[f"DGR {mode} {n} stage{'s' if n > 1 else ''}"] = row
@@ -445,9 +457,7 @@ def measure(
 
 
 def summarize(rows: dict[str, dict[str, float]], threads: int, n_embd: int) -> dict[str, Any]:
-    single = {
-        key: max(rows[SINGLE_STOCK][key], rows[SINGLE_LANE][key]) for key in ("prefill", "decode")
-    }
+    single = {key: max(rows[name][key] for name in SINGLES) for key in ("prefill", "decode")}
     engine = rows[ENGINE]
     three, rpc, one = rows[THREE], rows[RPC2], rows[ONE]
     per_token_ms = {
