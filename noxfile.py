@@ -80,9 +80,11 @@ def native_patches(session: nox.Session) -> None:
 
 @nox.session(name="native-build", python=False)
 def native_build(session: nox.Session) -> None:
-    """Build patched llama.cpp (cached, outside the tree) and the ShardEngine Python module."""
-    session.run("dgr-llamacpp", "build")
-    session.run("dgr-native", "build")
+    """Build patched llama.cpp (cached, outside the tree) and the ShardEngine Python module;
+    `-- --lane cuda|vulkan` for another lane (CUDA: its toolkit comes from PyPI's wheels, pinned
+    in native/llama.cpp/lane-deps.json; ggml-cuda for sm_90 takes about 20 minutes on 2 cores)."""
+    session.run("dgr-llamacpp", "build", *session.posargs)
+    session.run("dgr-native", "build", *session.posargs)
 
 
 @nox.session(name="native-wheel", python=False)

@@ -124,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     args = parser.parse_args(argv)
+    if args.lane == "cuda":  # what the GPU machine lacks, named before anything runs
+        from dgr_cert import lane_probe
+
+        try:
+            print(f"cuda preflight: {lane_probe.preflight_cuda()}")
+        except lane_probe.PreflightError as e:
+            print(f"cuda preflight failed: {e}")
+            return 2
     lanes = [lane.value for lane in available_lanes(fingerprint())]
     if args.lane not in lanes:
         print(f"no {args.lane} lane on this machine (available: {', '.join(lanes)})")

@@ -71,6 +71,67 @@ def device_name(lane: str = "vulkan") -> str:
     return "none"
 
 
+# the architectures the CUDA lane is built for (native/llama.cpp/lane-deps.json)
+CUDA_ARCHS = ("9.0",)
+
+
+class PreflightError(Exception):
+    pass
+
+
+def preflight_cuda() -> dict[str, str]:
+    """What a CUDA certification needs on the GPU machine, checked before anything runs: the
+    driver (nvidia-smi, libcuda.so.1), a GPU of an architecture the build has, and the CUDA
+    build with every library it links resolvable. Returns the readings; a miss raises
+    PreflightError saying what is missing and how to get it (the machine may reach no registry:
+    the build and its toolkit libraries come from a machine that does, under $DGR_CACHE)."""
+    import ctypes
+    import subprocess
+
+    from dgr_native.build import engine_build_dir, is_built
+
+    if shutil.which("nvidia-smi") is None:
+        raise PreflightError("nvidia-smi not found: the NVIDIA driver is not installed")
+    query = "--query-gpu=name,driver_version,compute_cap"
+    smi = subprocess.run(
+        ["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True, check=False
+    )
+    rows = [[p.strip() for p in line.split(",")] for line in smi.stdout.splitlines() if line]
+    if smi.returncode != 0 or not rows:
+        raise PreflightError(
+            f"nvidia-smi lists no GPU (exit {smi.returncode}): {smi.stderr[-300:]}"
+        )
+    usable = [r for r in rows if len(r) == 3 and r[2] in CUDA_ARCHS]
+    if not usable:
+        raise PreflightError(
+            f"the CUDA lane is built for compute capability {', '.join(CUDA_ARCHS)}; "
+            f"this machine has {'; '.join(' '.join(r) for r in rows)}"
+        )
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise PreflightError(f"the driver's libcuda.so.1 does not load: {e}") from e
+    if not is_built("cuda"):
+        raise PreflightError(
+            f"no CUDA build in {engine_build_dir('cuda')}: run `nox -s native-build -- --lane "
+            "cuda` on a machine that reaches PyPI, and bring $DGR_CACHE/build and "
+            "$DGR_CACHE/lane-deps with this checkout"
+        )
+    build = engine_build_dir("cuda")
+    unresolved = []
+    for binary in [build / "dgr-shard-worker", *sorted(build.glob("_dgr_engine*.so"))]:
+        ldd = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=False)
+        unresolved += [line.split()[0] for line in ldd.stdout.splitlines() if "not found" in line]
+    if unresolved:
+        missing = ", ".join(sorted(set(unresolved)))
+        raise PreflightError(
+            f"the CUDA build links libraries this machine cannot find: {missing} "
+            "(the toolkit's wheels unpack under $DGR_CACHE/lane-deps: bring it along)"
+        )
+    name, driver, arch = usable[0]
+    return {"gpu": name, "driver": driver, "compute_capability": arch, "build": str(build)}
+
+
 def probe(
     lane: str,
     name: str,

@@ -26,11 +26,11 @@ def available_lanes(hardware: dict[str, Any]) -> list[Lane]:
     return lanes
 
 
-# lanes this project cannot build here, and why (the registry, `dgr-native lanes`, and the site)
+# lanes no test or CI run builds here, and why (the registry, `dgr-native lanes`, and the site)
 NOT_BUILT = {
-    Lane.CUDA: "not built here yet: ggml-cuda for one architecture (sm_90) needs nvcc and cuBLAS "
-    "(PyPI's nvidia-cuda-nvcc and nvidia-cublas) and well over an hour on 2 cores; certified only "
-    "on a machine with an NVIDIA GPU",
+    Lane.CUDA: "built on demand (`nox -s native-build -- --lane cuda`: sm_90, the toolkit from "
+    "PyPI's NVIDIA wheels, about 25 minutes on 2 cores); certified only on a machine with an "
+    "NVIDIA GPU (`nox -s certify -- --lane cuda`, which names what that machine lacks)",
     Lane.ROCM: "planned: no ROCm toolchain (hipcc) in Debian 12's or PyPI's packages, no AMD GPU",
     Lane.METAL: "planned: Metal exists on Apple silicon under macOS only",
 }
