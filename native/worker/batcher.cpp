@@ -22,7 +22,7 @@ Batcher::Timing Batcher::run(dgr::BatchItem & item) {
     }
     const auto finished = std::chrono::steady_clock::now();
     using seconds = std::chrono::duration<double>;
-    return {seconds(me.started - arrived).count(), seconds(finished - me.started).count()};
+    return {seconds(me.started - arrived).count(), seconds(finished - me.started).count(), me.alone};
 }
 
 void Batcher::take_turn(std::unique_lock<std::mutex> & lock) {
@@ -48,9 +48,11 @@ void Batcher::take_turn(std::unique_lock<std::mutex> & lock) {
         batch[i].request = group[i]->item->request;
         batch[i].out_dtype = group[i]->item->out_dtype;
     }
+    bool alone = true;
     try {
         const ComputeSlots::Hold slot = slots_.acquire();
-        engine_.use_priority(slot.alone());
+        alone = slot.alone();
+        engine_.use_priority(alone);
         engine_.forward_batch(batch);
     } catch (...) {
         for (auto & b : batch) {
@@ -61,6 +63,7 @@ void Batcher::take_turn(std::unique_lock<std::mutex> & lock) {
     for (size_t i = 0; i < group.size(); ++i) {
         group[i]->item->result = std::move(batch[i].result);
         group[i]->item->error = batch[i].error;
+        group[i]->alone = alone;
         group[i]->done = true;
     }
     widest_ = std::max(widest_, group.size());

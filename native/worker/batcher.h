@@ -31,6 +31,7 @@ public:
     struct Timing {
         double queue_seconds;    // waiting for its turn
         double compute_seconds;  // its turn (the llama_decode it shared)
+        bool alone;              // it held a compute slot (else: computed at normal priority)
     };
     // computes `item`, with whatever waits beside it; on return item.result or item.error is set
     Timing run(dgr::BatchItem & item);
@@ -42,6 +43,7 @@ private:
     struct Waiting {
         dgr::BatchItem * item;
         bool done = false;
+        bool alone = true;
         std::chrono::steady_clock::time_point started{};  // when its turn began
     };
     // with the lock held and the engine free: compute the oldest group (unlocked meanwhile)

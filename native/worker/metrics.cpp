@@ -110,6 +110,11 @@ Metrics::Metrics(LiveState live)
                     .Help("Forwards this stage computed")
                     .Register(*registry_)
                     .Add({})),
+      without_slot_(prometheus::BuildCounter()
+                        .Name("dgr:forwards_without_slot_total")
+                        .Help("Forwards computed without a compute slot (every one held past the wait), at normal priority")
+                        .Register(*registry_)
+                        .Add({})),
       errors_(prometheus::BuildCounter()
                   .Name("dgr:request_errors_total")
                   .Help("Requests refused or failed, by gRPC status code")
@@ -163,9 +168,10 @@ Metrics::~Metrics() {
     if (server_) server_->close();
 }
 
-void Metrics::forward(size_t n_tokens, bool decode, double queue_seconds, double compute_seconds) {
+void Metrics::forward(size_t n_tokens, bool decode, double queue_seconds, double compute_seconds, bool alone) {
     (decode ? generation_tokens_ : prompt_tokens_).Increment((double) n_tokens);
     forwards_.Increment();
+    if (!alone) without_slot_.Increment();
     queue_time_.Observe(queue_seconds);
     forward_latency_.Observe(compute_seconds);
 }

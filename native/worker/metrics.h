@@ -40,8 +40,8 @@ public:
     Metrics & operator=(const Metrics &) = delete;
 
     // one forward computed: its tokens (a prefill chunk, or one decode step), the time it waited
-    // for its turn on the engine and the time its turn took
-    void forward(size_t n_tokens, bool decode, double queue_seconds, double compute_seconds);
+    // for its turn on the engine, the time its turn took, and whether it held a compute slot
+    void forward(size_t n_tokens, bool decode, double queue_seconds, double compute_seconds, bool alone);
     // a request refused or failed with `code`
     void error(grpc::StatusCode code);
 
@@ -60,6 +60,7 @@ private:
     prometheus::Counter & prompt_tokens_;
     prometheus::Counter & generation_tokens_;
     prometheus::Counter & forwards_;
+    prometheus::Counter & without_slot_;
     prometheus::Family<prometheus::Counter> & errors_;
     prometheus::Gauge & sessions_;
     prometheus::Gauge & waiting_;

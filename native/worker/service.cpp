@@ -255,7 +255,7 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
     item.request = fr;
     item.out_dtype = desc_.is_tail ? dgr::DType::f32 : d.out_dtype;
     const Batcher::Timing timing = batcher_.run(item);
-    if (!item.error) metrics_.forward((size_t) fr.n_tokens, fr.n_tokens == 1 && fr.n_past > 0, timing.queue_seconds, timing.compute_seconds);
+    if (!item.error) metrics_.forward((size_t) fr.n_tokens, fr.n_tokens == 1 && fr.n_past > 0, timing.queue_seconds, timing.compute_seconds, timing.alone);
     try {
         if (item.error) std::rethrow_exception(item.error);
     } catch (const dgr::ShardError & e) {

@@ -185,21 +185,24 @@ def time_route(
 def route_round(route: Route, prompt: list[int], decode_tokens: int) -> dict[str, float]:
     """One greedy generation over `route`: prefill and decode tokens/s.
 
-    Both are timed from generations that end with the route idle: a prefill alone (the prompt
-    and its first token), then the prompt with `decode_tokens` more; decode is the difference. The
-    arrival of the first token of a longer generation is no clock: in forward mode the stages go
-    on decoding at once, and on a host they share with the coordinator (its compute threads at a
-    realtime priority) the coordinator may see that token only some tokens later, which would
-    shorten the decode it times."""
-    t0 = time.perf_counter()
-    for _ in route.generate(prompt, 1):
-        pass
-    t1 = time.perf_counter()
-    for _ in route.generate(prompt, decode_tokens + 1):
-        pass
-    t2 = time.perf_counter()
-    first = t1 - t0
-    return {"prefill": len(prompt) / first, "decode": decode_tokens / max(t2 - t1 - first, 1e-9)}
+    Both are timed from generations that end with the route idle: the prompt with
+    `decode_tokens` more, between two prefills alone (the prompt and its first token); decode is
+    the generation less the faster prefill (interference only ever adds time, so the faster one
+    is the better estimate, and the decode it leaves errs slow). The arrival of the first token of
+    a longer generation is no clock: in forward mode the stages go on decoding at once, and on a
+    host they share with the coordinator (their compute threads at a realtime priority) the
+    coordinator may see that token only some tokens later, which would shorten the decode."""
+
+    def timed(max_tokens: int) -> float:
+        t0 = time.perf_counter()
+        for _ in route.generate(prompt, max_tokens):
+            pass
+        return time.perf_counter() - t0
+
+    before = timed(1)
+    whole = timed(decode_tokens + 1)
+    first = min(before, timed(1))
+    return {"prefill": len(prompt) / first, "decode": decode_tokens / max(whole - first, 1e-9)}
 
 
 def concurrent_decode(

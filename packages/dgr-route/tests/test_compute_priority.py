@@ -1,0 +1,107 @@
+"""Workers' compute threads take a realtime priority where the process may (`--prio auto`), so that
+nothing else on the host preempts a graph whose threads spin at its barriers; a graph that got no
+compute slot computes at normal priority instead, on a pool of its own, and gives the same
+output (equal-priority realtime threads of two graphs on too few cores could stall each other
+for good)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
+from dgr_route.route import Route
+
+PROMPT = list(range(1000, 1012))
+SCHED_FIFO = 1
+
+
+def realtime_allowed() -> bool:
+    """What the worker's own probe finds: may a thread of this user take SCHED_FIFO?"""
+    probe = "import os; os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(40))"
+    return subprocess.run([sys.executable, "-c", probe], check=False).returncode == 0
+
+
+def fifo_threads(worker: WorkerProcess) -> int:
+    """Threads of the worker whose scheduling policy is SCHED_FIFO (/proc/PID/task/TID/stat)."""
+    count = 0
+    for stat in Path(f"/proc/{worker.proc.pid}/task").glob("*/stat"):
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        count += int(fields[38]) == SCHED_FIFO  # field 41, `policy`; fields[0] is field 3
+    return count
+
+
+def without_slot(worker: WorkerProcess) -> float:
+    """The worker's count of forwards computed without a compute slot (/metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert worker.metrics_url is not None
+    with urllib.request.urlopen(f"{worker.metrics_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "dgr:forwards_without_slot_total":
+                return float(sample.value)
+    raise AssertionError("no dgr:forwards_without_slot_total in /metrics")
+
+
+def test_compute_threads_are_realtime_only_where_allowed(smollm2: Path, tmp_path: Path) -> None:
+    descriptor = descriptor_args(smollm2)
+    slots = ["--compute-slots", str(tmp_path / "slots")]
+    auto = start_worker(smollm2, 0, 30, descriptor=descriptor, threads=2, n_ctx=128, extra=slots)
+    normal = start_worker(
+        smollm2, 0, 30, descriptor=descriptor, threads=2, n_ctx=128, extra=[*slots, "--prio", "0"]
+    )
+    try:
+        outputs = []
+        for worker in (auto, normal):
+            route = Route.open([worker.address], timeout=60)
+            outputs.append(list(route.generate(PROMPT, 4)))
+            route.close()
+        assert outputs[0] == outputs[1]
+        # the pool's helper thread, and the handler thread that computed (thread 0)
+        assert fifo_threads(auto) >= (2 if realtime_allowed() else 0)
+        if not realtime_allowed():
+            assert fifo_threads(auto) == 0
+        assert fifo_threads(normal) == 0
+    finally:
+        auto.stop()
+        normal.stop()
+
+
+def test_a_graph_without_a_slot_computes_at_normal_priority(smollm2: Path, tmp_path: Path) -> None:
+    slots = tmp_path / "slots"
+    worker = start_worker(
+        smollm2,
+        0,
+        30,
+        descriptor=descriptor_args(smollm2),
+        threads=2,
+        n_ctx=128,
+        extra=["--compute-slots", str(slots), "--metrics-listen", "127.0.0.1:0"],
+    )
+    try:
+        route = Route.open([worker.address], timeout=60)
+        free = list(route.generate(PROMPT, 1))
+        assert without_slot(worker) == 0
+        held = [os.open(p, os.O_RDWR) for p in sorted(slots.glob("slot-*"))]
+        assert held
+        for fd in held:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            started = time.monotonic()
+            assert list(route.generate(PROMPT, 1)) == free  # waited for a slot, then computed
+            assert time.monotonic() - started >= 2.0
+        finally:
+            for fd in held:
+                os.close(fd)
+        assert without_slot(worker) == 1  # the one forward of that generation
+        assert list(route.generate(PROMPT, 1)) == free
+        route.close()
+    finally:
+        worker.stop()
