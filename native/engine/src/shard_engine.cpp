@@ -2,6 +2,7 @@
 #include "dgr/shard_engine.h"
 
 #include "ggml.h"
+#include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "gguf.h"
 #include "llama.h"
@@ -21,6 +22,15 @@
 namespace dgr {
 
 namespace {
+
+// a GPU (discrete or integrated) among ggml's backend devices: what gpu_layers offloads to
+bool has_device() {
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        const auto type = ggml_backend_dev_type(ggml_backend_dev_get(i));
+        if (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) return true;
+    }
+    return false;
+}
 
 const std::set<std::string> kRangeArchs = {"llama", "gemma3", "qwen2", "qwen3", "deepseek2", "deepseek4"};
 std::string range_archs() {
@@ -256,6 +266,13 @@ public:
                              "range ownership is not implemented for arch '" + arch + "' (supported: " + range_archs() + ")");
         }
 
+        // layers asked onto a device that is not there would silently compute on the CPU while the
+        // worker reports its build's lane: refuse by name instead (a driver missing, no GPU)
+        if (options.gpu_layers != 0 && !has_device()) {
+            throw ShardError(Status::invalid_argument,
+                             "gpu_layers " + std::to_string(options.gpu_layers) + ": the " + build_info().lane +
+                                 " build sees no device on this machine (no GPU, or its driver is missing)");
+        }
         llama_model_params mparams = llama_model_default_params();
         mparams.n_gpu_layers = options.gpu_layers < 0 ? 999 : options.gpu_layers;
         mparams.dgr_layer_first = first;

@@ -1,6 +1,7 @@
 """Issue 16's lane registry: per lane its build, the device this machine shows for it and its
 certification records; a lane with no build is refused by `dgr worker --lane` and by the engine
-locator, by name."""
+locator, by name, and a device lane's build with no device refuses to offload rather than run on
+the CPU."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dgr_native.build import is_built
 from dgr_native.lanes import registry
 from dgr_prd.lanes import NOT_BUILT
 from dgr_route.engine import ENV, EngineNotFound, locate
@@ -42,3 +44,15 @@ def test_a_lane_without_a_build_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
     )
     assert done.returncode == 2 and "no metal build in this checkout" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(not is_built("cuda"), reason="no CUDA build in this checkout's cache")
+def test_a_device_lane_without_its_device_is_refused_not_run_on_the_cpu(smollm2: Path) -> None:
+    """A CUDA build on a machine without a GPU (this one) must not compute on the CPU while
+    reporting the cuda lane: its worker refuses, naming the lane and what is missing."""
+    from dgr_cli.workers import start_worker
+
+    with pytest.raises(RuntimeError, match=r"the cuda build sees no device on this machine"):
+        start_worker(smollm2, 0, 30, n_ctx=64, lane="cuda", timeout=60)
+    worker = start_worker(smollm2, 0, 30, n_ctx=64, lane="cuda", extra=["--gpu-layers", "0"])
+    worker.stop()  # offloading nothing, the build serves on the CPU as asked

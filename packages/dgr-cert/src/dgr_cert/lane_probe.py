@@ -112,10 +112,18 @@ def preflight_cuda() -> dict[str, str]:
     except OSError as e:
         raise PreflightError(f"the driver's libcuda.so.1 does not load: {e}") from e
     if not is_built("cuda"):
+        want = engine_build_dir("cuda")
+        others = sorted(p.name for p in want.parent.glob("engine-*-cuda") if p != want)
+        elsewhere = (
+            f" ({', '.join(others)} is another checkout's: build directories are named by the "
+            "checkout's path, so run from the path it was built at)"
+            if others
+            else ""
+        )
         raise PreflightError(
-            f"no CUDA build in {engine_build_dir('cuda')}: run `nox -s native-build -- --lane "
-            "cuda` on a machine that reaches PyPI, and bring $DGR_CACHE/build and "
-            "$DGR_CACHE/lane-deps with this checkout"
+            f"no CUDA build in {want}{elsewhere}: run `nox -s native-build -- --lane cuda` on a "
+            "machine that reaches PyPI, and bring $DGR_CACHE/build and $DGR_CACHE/lane-deps "
+            "with this checkout"
         )
     build = engine_build_dir("cuda")
     unresolved = []
