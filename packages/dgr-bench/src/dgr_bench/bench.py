@@ -187,11 +187,11 @@ def route_round(route: Route, prompt: list[int], decode_tokens: int) -> dict[str
 
     Both are timed from generations that end with the route idle: the prompt with
     `decode_tokens` more, between two prefills alone (the prompt and its first token); decode is
-    the generation less the faster prefill (interference only ever adds time, so the faster one
-    is the better estimate, and the decode it leaves errs slow). The arrival of the first token of
-    a longer generation is no clock: in forward mode the stages go on decoding at once, and on a
-    host they share with the coordinator (their compute threads at a realtime priority) the
-    coordinator may see that token only some tokens later, which would shorten the decode."""
+    the generation less the mean of the two prefills. The arrival of the first token of a longer
+    generation is no clock: in forward mode the stages go on decoding at once, and on a host they
+    share with the coordinator (their compute threads at a realtime priority) the coordinator may
+    see that token only some tokens later, which would shorten the decode it times. (The faster
+    of the two prefills would make decode err slow by the prefill's spread: 5-10% here.)"""
 
     def timed(max_tokens: int) -> float:
         t0 = time.perf_counter()
@@ -201,7 +201,7 @@ def route_round(route: Route, prompt: list[int], decode_tokens: int) -> dict[str
 
     before = timed(1)
     whole = timed(decode_tokens + 1)
-    first = min(before, timed(1))
+    first = (before + timed(1)) / 2
     return {"prefill": len(prompt) / first, "decode": decode_tokens / max(whole - first, 1e-9)}
 
 
