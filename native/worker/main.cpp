@@ -38,8 +38,8 @@ struct Args {
     int32_t first = 0, last = -1, threads = 2, n_ctx = 2048, n_batch = 512, max_sessions = 4;
     int drain_seconds = 10;
     int poll = 0;      // ggml threadpool spin level between graphs (0 sleeps, 100 spins)
-    int prio = -1;     // compute threads' priority, as llama.cpp's --prio (0 normal .. 3 realtime);
-                       // -1 (auto): 1 where allowed and the host's workers take turns (below)
+    int prio = 0;      // compute threads' priority, as llama.cpp's --prio (0 normal .. 3 realtime);
+                       // -1 (auto, opt-in): 1 where allowed and the host's workers take turns (below)
     int rollback = 16; // rejected drafts one forward may drop where state is not positional (V4)
     // owned layers on the lane's device: all of them (-1) on a build of another lane than the CPU
     int gpu_layers = std::string(dgr::build_info().lane) == "cpu" ? 0 : -1;
@@ -149,11 +149,14 @@ bool realtime_allowed() {
     return ok;
 }
 
-// --prio auto. ggml's barriers spin: a compute thread preempted by any other thread of the host
-// (gRPC's pollers and handlers, a neighbouring stage passing its output on, the coordinator)
-// stalls its whole graph until it runs again; on a 2-core host running 3 stages at 2 threads
-// each, that cost a route 15-20% of its decode speed. Compute threads at SCHED_FIFO (llama.cpp's
-// --prio 1) are never preempted by them. Realtime threads that spin must never outnumber the
+// --prio auto (opt-in). ggml's barriers spin: a compute thread preempted by any other thread of
+// the host (gRPC's pollers and handlers, a neighbouring stage passing its output on, the
+// coordinator) stalls its whole graph until it runs again; on a 2-core host running 3 stages at
+// 2 threads each, that cost a route 15-20% of its decode speed. Compute threads at SCHED_FIFO
+// (llama.cpp's --prio 1) are never preempted by them, and in turn nothing at normal priority runs
+// on the cores they use while a graph computes: with as many compute threads as cores, the
+// worker's own Health and keepalive, a co-located coordinator or HTTP server wait for the graph
+// (a 1.5 s Health reply behind long prefills), which is why it is not the default. Realtime threads that spin must never outnumber the
 // cores, which the compute slots see to (a graph that got no slot computes at normal priority):
 // with slots off, or where the policy is not allowed, compute stays at normal priority.
 int resolve_prio(const Args & a) {

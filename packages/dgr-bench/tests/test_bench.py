@@ -4,13 +4,27 @@ llama-bench build, and the gate reads medians over rounds."""
 from __future__ import annotations
 
 import pytest
-from dgr_bench.bench import ENGINE, ONE, RPC2, SINGLE_LANE, SINGLE_STOCK, THREE, paired_ratios
+from dgr_bench.bench import (
+    ENGINE,
+    ONE,
+    RPC2,
+    SINGLE_LANE,
+    SINGLE_PRIO,
+    SINGLE_STOCK,
+    THREE,
+    THREE_RT,
+    paired_ratios,
+)
 
 
-def rnd(stock: float, lane: float, three: float, one: float = 50.0) -> dict[str, dict[str, float]]:
+def rnd(
+    stock: float, lane: float, three: float, one: float = 50.0, prio: float = 10.0
+) -> dict[str, dict[str, float]]:
     return {
         SINGLE_STOCK: {"prefill": 100.0, "decode": stock},
         SINGLE_LANE: {"prefill": 90.0, "decode": lane},
+        SINGLE_PRIO: {"prefill": 80.0, "decode": prio},
+        THREE_RT: {"prefill": 95.0, "decode": three + 3},
         ENGINE: {"prefill": 100.0, "decode": 50.0},
         ONE: {"prefill": 100.0, "decode": one},
         THREE: {"prefill": 95.0, "decode": three},
@@ -28,6 +42,15 @@ def test_each_round_is_held_to_its_faster_build() -> None:
     assert p["rows"][THREE]["decode"] == 54
     assert p["ratios"]["prefill_ratio_3stage_vs_single"] == pytest.approx(0.95)
     assert p["ratios"]["decode_ratio_3stage_vs_rpc"] == pytest.approx(54 / 25)
+    # the realtime route is reported against the same reference, beside the gated default
+    assert p["per_round"]["decode_ratio_3stage_realtime_vs_single"] == pytest.approx(
+        [57 / 60, 75 / 80, 27 / 30]
+    )
+
+
+def test_llama_bench_at_prio_1_is_a_reference_too() -> None:
+    p = paired_ratios([rnd(60, 40, 54, prio=90)])
+    assert p["per_round"]["decode_ratio_3stage_vs_single"] == pytest.approx([54 / 90])
 
 
 def test_one_stage_cost_is_per_token_milliseconds() -> None:

@@ -1,8 +1,8 @@
-"""Workers' compute threads take a realtime priority where the process may (`--prio auto`), so that
-nothing else on the host preempts a graph whose threads spin at its barriers; a graph that got no
-compute slot computes at normal priority instead, on a pool of its own, and gives the same
-output (equal-priority realtime threads of two graphs on too few cores could stall each other
-for good)."""
+"""Workers' compute threads take a realtime priority where the process may (`--prio auto`,
+opt-in: the default is normal priority), so that nothing else on the host preempts a graph whose
+threads spin at its barriers; a graph that got no compute slot computes at normal priority
+instead, on a pool of its own, and gives the same output (equal-priority realtime threads of two
+graphs on too few cores could stall each other for good)."""
 
 from __future__ import annotations
 
@@ -53,10 +53,16 @@ def without_slot(worker: WorkerProcess) -> float:
 def test_compute_threads_are_realtime_only_where_allowed(smollm2: Path, tmp_path: Path) -> None:
     descriptor = descriptor_args(smollm2)
     slots = ["--compute-slots", str(tmp_path / "slots")]
-    auto = start_worker(smollm2, 0, 30, descriptor=descriptor, threads=2, n_ctx=128, extra=slots)
-    normal = start_worker(
-        smollm2, 0, 30, descriptor=descriptor, threads=2, n_ctx=128, extra=[*slots, "--prio", "0"]
+    auto = start_worker(
+        smollm2,
+        0,
+        30,
+        descriptor=descriptor,
+        threads=2,
+        n_ctx=128,
+        extra=[*slots, "--prio", "auto"],
     )
+    normal = start_worker(smollm2, 0, 30, descriptor=descriptor, threads=2, n_ctx=128, extra=slots)
     try:
         outputs = []
         for worker in (auto, normal):
@@ -83,7 +89,7 @@ def test_a_graph_without_a_slot_computes_at_normal_priority(smollm2: Path, tmp_p
         descriptor=descriptor_args(smollm2),
         threads=2,
         n_ctx=128,
-        extra=["--compute-slots", str(slots), "--metrics-listen", "127.0.0.1:0"],
+        extra=["--compute-slots", str(slots), "--metrics-listen", "127.0.0.1:0", "--prio", "auto"],
     )
     try:
         route = Route.open([worker.address], timeout=60)

@@ -49,6 +49,9 @@ SINGLE_PRIO = "llama-bench, DGR lane build, --prio 1"
 SINGLES = (SINGLE_STOCK, SINGLE_LANE, SINGLE_PRIO)
 ENGINE = "engine in one process"
 ONE, THREE = "DGR forward 1 stage", "DGR forward 3 stages"
+# the same 3-stage route with its workers' compute threads at a realtime priority (`--prio auto`,
+# opt-in): reported beside the default, not gated
+THREE_RT = "DGR forward 3 stages, --prio auto"
 RPC2 = "llama.cpp RPC (2 servers)"
 PAIRED_ROUNDS = 7
 
@@ -304,10 +307,12 @@ def paired(
     procs, servers = rpc_servers(with_rpc / "ggml-rpc-server", 2, threads)
     rpc = ["--rpc", ",".join(servers), "-ngl", "99", "-ts", "1/1"]
     try:
-        for n in (1, 3):
+        for n, extra in ((1, []), (3, []), (-3, ["--prio", "auto"])):
             fleets[n] = [
-                start_worker(model, a, b, descriptor=descriptor, threads=threads, n_ctx=1024)
-                for a, b in even_layout(n_layer, n)
+                start_worker(
+                    model, a, b, descriptor=descriptor, threads=threads, n_ctx=1024, extra=extra
+                )
+                for a, b in even_layout(n_layer, abs(n))
             ]
             routes[n] = Route.open([w.address for w in fleets[n]], timeout=120)
         setups = {
@@ -319,6 +324,7 @@ def paired(
             ENGINE: lambda: engine_round(engine, prompt),
             ONE: lambda: route_round(routes[1], prompt, DECODE_TOKENS),
             THREE: lambda: route_round(routes[3], prompt, DECODE_TOKENS),
+            THREE_RT: lambda: route_round(routes[-3], prompt, DECODE_TOKENS),
             RPC2: lambda: llama_bench(with_rpc / "llama-bench", model, rpc, threads, 1),
         }
         engine_round(engine, prompt)  # untimed: the engine's first graphs (workers warm up alone)
@@ -344,7 +350,7 @@ def paired_ratios(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
     and their medians; the medians are the gate's values."""
 
     def single(r: dict[str, dict[str, float]], key: str) -> float:
-        return max(r[name][key] for name in SINGLES)
+        return max(r[name][key] for name in SINGLES if name in r)
 
     per_round: dict[str, list[float]] = {
         "decode_ratio_3stage_vs_single": [r[THREE]["decode"] / single(r, "decode") for r in rounds],
@@ -353,6 +359,10 @@ def paired_ratios(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
             r[THREE]["prefill"] / single(r, "prefill") for r in rounds
         ],
         "decode_ratio_3stage_vs_engine": [r[THREE]["decode"] / r[ENGINE]["decode"] for r in rounds],
+        "decode_ratio_3stage_realtime_vs_single": [
+            r[THREE_RT]["decode"] / single(r, "decode") for r in rounds if THREE_RT in r
+        ]
+        or [0.0],
         "decode_ratio_1stage_vs_engine": [r[ONE]["decode"] / r[ENGINE]["decode"] for r in rounds],
         "ms_per_token_1stage_over_engine": [
             1000 / r[ONE]["decode"] - 1000 / r[ENGINE]["decode"] for r in rounds
@@ -431,7 +441,9 @@ def measure(
 ) -> dict[str, dict[str, float]]:
     """Every setup's row. The references (llama-bench, the engine, RPC with 2 servers) are the
     interleaved rounds' medians, `references`, not timed a second time."""
-    rows: dict[str, dict[str, float]] = {k: references[k] for k in (*SINGLES, ENGINE)}
+    rows: dict[str, dict[str, float]] = {
+        k: references[k] for k in (*SINGLES, ENGINE) if k in references
+    }
     for n in STAGES:
         for mode, row in dgr_route(model, n, n_layer, descriptor, rounds, threads).items():
             rows[f"DGR {mode} {n} stage{'s' if n > 1 else ''}"] = row
@@ -460,7 +472,10 @@ def measure(
 
 
 def summarize(rows: dict[str, dict[str, float]], threads: int, n_embd: int) -> dict[str, Any]:
-    single = {key: max(rows[name][key] for name in SINGLES) for key in ("prefill", "decode")}
+    single = {
+        key: max(rows[name][key] for name in SINGLES if name in rows)
+        for key in ("prefill", "decode")
+    }
     engine = rows[ENGINE]
     three, rpc, one = rows[THREE], rows[RPC2], rows[ONE]
     per_token_ms = {
