@@ -156,9 +156,10 @@ bool realtime_allowed() {
 // (llama.cpp's --prio 1) are never preempted by them, and in turn nothing at normal priority runs
 // on the cores they use while a graph computes: with as many compute threads as cores, the
 // worker's own Health and keepalive, a co-located coordinator or HTTP server wait for the graph
-// (a 1.5 s Health reply behind long prefills), which is why it is not the default. Realtime threads that spin must never outnumber the
-// cores, which the compute slots see to (a graph that got no slot computes at normal priority):
-// with slots off, or where the policy is not allowed, compute stays at normal priority.
+// (a 1.5 s Health reply behind long prefills), which is why it is not the default. Realtime
+// threads that spin must never outnumber the cores, which the compute slots see to (a graph that
+// got no slot computes at normal priority): with slots off, or where the policy is not allowed,
+// compute stays at normal priority.
 int resolve_prio(const Args & a) {
     if (a.prio >= 0) return a.prio;
     if (a.compute_slots == "none") return 0;
@@ -259,6 +260,9 @@ int main(int argc, char ** argv) {
     } catch (const dgr::ShardError & e) {
         std::cerr << "dgr-shard-worker: " << e.what() << "\n";
         return 3;
+    } catch (const std::invalid_argument & e) {  // --compute-slots: a directory it cannot use
+        std::cerr << "dgr-shard-worker: " << e.what() << "\n";
+        return 2;
     }
     // peers (the next stage, the head) are reached with this worker's own credentials
     dgr::worker::PeerOptions peers;

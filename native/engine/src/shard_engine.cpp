@@ -316,11 +316,7 @@ public:
 
         // Stages of a route run one after another and share cores with their neighbours; a
         // threadpool that keeps spinning after its graph steals the CPU the next stage needs.
-        ggml_threadpool_params tpp = ggml_threadpool_params_default(options.n_threads);
-        tpp.poll = (uint32_t) options.poll;
-        tpp.prio = (ggml_sched_priority) options.prio;
-        tpp.paused = options.sleep_when_idle;
-        threadpool_ = ggml_threadpool_new(&tpp);
+        threadpool_ = new_pool(options.prio);
         if (threadpool_ != nullptr) {
             llama_attach_threadpool(ctx_, threadpool_, threadpool_);
             attached_ = threadpool_;
@@ -420,15 +416,21 @@ public:
 
     void use_priority(bool on) override { want_priority_.store(on); }
 
+    // a compute pool of the options' size and spin level, its threads at `prio`
+    ggml_threadpool * new_pool(int32_t prio) const {
+        ggml_threadpool_params tpp = ggml_threadpool_params_default(options_.n_threads);
+        tpp.poll = (uint32_t) options_.poll;
+        tpp.prio = (ggml_sched_priority) prio;
+        tpp.paused = options_.sleep_when_idle;
+        return ggml_threadpool_new(&tpp);
+    }
+
     // the pool this forward computes with, as use_priority asked (with forward_batch's lock held)
     void attach_pool() {
         if (threadpool_ == nullptr || options_.prio <= 0) return;
         const bool on = want_priority_.load();
         if (!on && threadpool_normal_ == nullptr) {
-            ggml_threadpool_params tpp = ggml_threadpool_params_default(options_.n_threads);
-            tpp.poll = (uint32_t) options_.poll;
-            tpp.paused = options_.sleep_when_idle;
-            threadpool_normal_ = ggml_threadpool_new(&tpp);
+            threadpool_normal_ = new_pool(GGML_SCHED_PRIO_NORMAL);
             if (threadpool_normal_ == nullptr) return;  // no second pool: keep the first
         }
         ggml_threadpool * want = on ? threadpool_ : threadpool_normal_;

@@ -27,19 +27,20 @@ def test_no_driver_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
         preflight_cuda()
 
 
-def test_a_gpu_of_another_architecture_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("rows", "refusal"),
+    [
+        # a GPU the build has no kernels for
+        ("NVIDIA A100-SXM4-80GB, 580.65, 8.0\\n", r"built for compute capability 9\.0.*A100.*8\.0"),
+        # the right GPU, but no driver library to load (this machine has none)
+        ("NVIDIA H200, 580.65, 9.0\\n", r"libcuda\.so\.1 does not load"),
+    ],
+)
+def test_what_the_gpu_machine_lacks_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: str, refusal: str
 ) -> None:
-    fake_smi(tmp_path, monkeypatch, "NVIDIA A100-SXM4-80GB, 580.65, 8.0\\n")
-    with pytest.raises(PreflightError, match=r"built for compute capability 9\.0.*A100.*8\.0"):
-        preflight_cuda()
-
-
-def test_an_sm90_gpu_without_the_driver_library_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fake_smi(tmp_path, monkeypatch, "NVIDIA H200, 580.65, 9.0\\n")
-    with pytest.raises(PreflightError, match=r"libcuda\.so\.1 does not load"):
+    fake_smi(tmp_path, monkeypatch, rows)
+    with pytest.raises(PreflightError, match=refusal):
         preflight_cuda()
 
 

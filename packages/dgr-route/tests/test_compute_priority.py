@@ -111,3 +111,31 @@ def test_a_graph_without_a_slot_computes_at_normal_priority(smollm2: Path, tmp_p
         route.close()
     finally:
         worker.stop()
+
+
+def test_an_unusable_slot_directory_is_a_usage_error(smollm2: Path, tmp_path: Path) -> None:
+    """Warm-up takes a slot like any compute: a --compute-slots directory that cannot be made
+    ends the worker with its reason and exit 2, not an abort."""
+    from dgr_route.engine import locate
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    done = subprocess.run(
+        [
+            str(locate("cpu").worker),
+            "--model",
+            str(smollm2),
+            "--layers",
+            "0:30",
+            "--n-ctx",
+            "64",
+            "--compute-slots",
+            str(blocker / "slots"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--compute-slots: cannot create" in done.stderr

@@ -42,7 +42,7 @@ STAGES = (1, 2, 3, 4)
 RPC_SERVERS = (2, 3)
 # the single-process reference is the fastest of llama-bench as upstream builds it (OpenMP), as
 # DGR's lane builds it (ggml's threadpool), and that build with the compute threads' priority DGR's
-# workers take where allowed (`--prio 1`, SCHED_FIFO): DGR is held to the best of the three
+# workers take with `--prio auto` (`--prio 1`, SCHED_FIFO): DGR is held to the best of the three
 SINGLE_STOCK = "llama-bench, upstream build"
 SINGLE_LANE = "llama-bench, DGR lane build"
 SINGLE_PRIO = "llama-bench, DGR lane build, --prio 1"
@@ -350,7 +350,7 @@ def paired_ratios(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
     and their medians; the medians are the gate's values."""
 
     def single(r: dict[str, dict[str, float]], key: str) -> float:
-        return max(r[name][key] for name in SINGLES if name in r)
+        return max(r[name][key] for name in SINGLES)
 
     per_round: dict[str, list[float]] = {
         "decode_ratio_3stage_vs_single": [r[THREE]["decode"] / single(r, "decode") for r in rounds],
@@ -360,9 +360,8 @@ def paired_ratios(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
         ],
         "decode_ratio_3stage_vs_engine": [r[THREE]["decode"] / r[ENGINE]["decode"] for r in rounds],
         "decode_ratio_3stage_realtime_vs_single": [
-            r[THREE_RT]["decode"] / single(r, "decode") for r in rounds if THREE_RT in r
-        ]
-        or [0.0],
+            r[THREE_RT]["decode"] / single(r, "decode") for r in rounds
+        ],
         "decode_ratio_1stage_vs_engine": [r[ONE]["decode"] / r[ENGINE]["decode"] for r in rounds],
         "ms_per_token_1stage_over_engine": [
             1000 / r[ONE]["decode"] - 1000 / r[ENGINE]["decode"] for r in rounds
@@ -441,9 +440,7 @@ def measure(
 ) -> dict[str, dict[str, float]]:
     """Every setup's row. The references (llama-bench, the engine, RPC with 2 servers) are the
     interleaved rounds' medians, `references`, not timed a second time."""
-    rows: dict[str, dict[str, float]] = {
-        k: references[k] for k in (*SINGLES, ENGINE) if k in references
-    }
+    rows: dict[str, dict[str, float]] = {k: references[k] for k in (*SINGLES, ENGINE)}
     for n in STAGES:
         for mode, row in dgr_route(model, n, n_layer, descriptor, rounds, threads).items():
             rows[f"DGR {mode} {n} stage{'s' if n > 1 else ''}"] = row
@@ -472,10 +469,7 @@ def measure(
 
 
 def summarize(rows: dict[str, dict[str, float]], threads: int, n_embd: int) -> dict[str, Any]:
-    single = {
-        key: max(rows[name][key] for name in SINGLES if name in rows)
-        for key in ("prefill", "decode")
-    }
+    single = {key: max(rows[name][key] for name in SINGLES) for key in ("prefill", "decode")}
     engine = rows[ENGINE]
     three, rpc, one = rows[THREE], rows[RPC2], rows[ONE]
     per_token_ms = {
