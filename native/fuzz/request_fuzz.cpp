@@ -12,11 +12,20 @@
 //
 // The same bytes also go to the worker's TokenizerService (tokenizer.cpp) as a DetokenizeRequest,
 // a TokenizeRequest and a ChatTemplateRequest: ids outside the vocabulary, any text, any roles.
+//
+// And they go to the head as data streams (datalink.cpp, ShardService::serve_data), through a
+// socket pair: once as they are (frame headers, HELLO, any frame kind), and once framed as a
+// HELLO (FORWARD or LOOP, by the first byte) and a REQUEST or REPLY carrying them. The head takes
+// no FORWARD data stream and holds no session to loop a token into, so no link to a peer opens.
+#include "datalink.h"
 #include "service.h"
 #include "tokenizer.h"
 #include "wire.h"
 
 #include "llama.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -46,6 +55,39 @@ void tokenizer_requests(const uint8_t * data, size_t size) {
         dgr::v1::ChatTemplateReply reply;
         g_tokenizer->chat_template(chat, &reply);
     }
+}
+
+void data_stream(const std::string & bytes) {
+    int fds[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) std::abort();
+    const int buffer = 4 << 20;
+    for (int fd : fds) {
+        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer, sizeof(buffer));
+        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buffer, sizeof(buffer));
+    }
+    if (write(fds[0], bytes.data(), bytes.size()) != (ssize_t) bytes.size()) std::abort();
+    shutdown(fds[0], SHUT_WR);
+    auto conn = std::make_shared<dgr::worker::FrameConn>(fds[1], 1000, 1 << 20);  // owns fds[1]
+    g_stages.front()->serve_data(conn);
+    conn.reset();
+    close(fds[0]);
+}
+
+std::string frame(dgr::v1::DataFrame kind, const std::string & payload) {
+    std::string f(dgr::worker::kFrameHeader, '\0');
+    for (int i = 0; i < 4; ++i) f[(size_t) i] = (char) ((payload.size() >> (8 * i)) & 0xff);
+    f[4] = (char) kind;
+    return f + payload;
+}
+
+void data_streams(const uint8_t * data, size_t size) {
+    const std::string bytes((const char *) data, size);
+    data_stream(bytes);
+    dgr::v1::DataHello hello;
+    const bool loop = size > 0 && (data[0] & 1);
+    hello.set_stream(loop ? dgr::v1::DATA_STREAM_LOOP : dgr::v1::DATA_STREAM_FORWARD);
+    data_stream(frame(dgr::v1::DATA_FRAME_HELLO, hello.SerializeAsString()) +
+                frame(loop ? dgr::v1::DATA_FRAME_REPLY : dgr::v1::DATA_FRAME_REQUEST, bytes));
 }
 
 void quiet(ggml_log_level, const char *, void *) {}
@@ -89,6 +131,7 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     tokenizer_requests(data, size);
+    data_streams(data, size);
     dgr::v1::ForwardRequest req;
     if (!req.ParseFromArray(data, (int) size)) return -1;  // not a message: keep it out of the corpus
     if (req.has_boundary() && (req.session_id() & 1)) {

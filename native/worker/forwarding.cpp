@@ -110,4 +110,118 @@ LoopLink::~LoopLink() {
     writer_->Finish();
 }
 
+std::unique_ptr<Downstream> Peers::downstream(const std::string & address, uint32_t stage, OnError on_error) {
+    if (data_links()) return std::make_unique<DataLink>(*this, address, dgr::v1::DATA_STREAM_FORWARD, stage, std::move(on_error));
+    return std::make_unique<DownstreamLink>(*this, address, stage, std::move(on_error));
+}
+
+std::unique_ptr<TokenReturn> Peers::token_return(const std::string & address, OnError on_error) {
+    if (data_links()) return std::make_unique<DataLink>(*this, address, dgr::v1::DATA_STREAM_LOOP, 0, std::move(on_error));
+    return std::make_unique<LoopLink>(*this, address);  // a failed write is reported by the tail
+}
+
+DataLink::DataLink(Peers & peers, const std::string & address, dgr::v1::DataStream kind, uint32_t stage,
+                   Peers::OnError on_error)
+    : options_(peers.options()), address_(address), kind_(kind), stage_(stage), on_error_(std::move(on_error)) {
+    dgr::v1::DataHello hello;
+    hello.set_stream(kind);
+    hello.set_token(options_.token);
+    reader_ = std::thread([this, hello] { run(hello); });
+}
+
+void DataLink::report(const grpc::Status & status) {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (reported_ || closing_) return;
+        reported_ = true;
+    }
+    on_error_(stage_error(stage_, address_, status));
+}
+
+void DataLink::run(dgr::v1::DataHello hello) {
+    // as long as a gRPC channel would try before a call fails: the keepalive bound
+    const auto timeout = std::chrono::milliseconds(options_.keepalive_ms + options_.keepalive_ms / 2);
+    std::string error;
+    std::shared_ptr<FrameConn> conn =
+        connect_data(address_, hello, options_.keepalive_ms, options_.max_message_bytes * 2, timeout, &error);
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        conn_ = conn;
+        connected_ = conn != nullptr;
+        ended_ = !connected_;
+    }
+    cv_.notify_all();
+    if (!conn) return report(grpc::Status(grpc::StatusCode::UNAVAILABLE, error));
+    keep_alive(conn);
+    // errors relayed from further down come as REPLY frames; the stream ends with END
+    grpc::Status status(grpc::StatusCode::UNAVAILABLE, "the stage closed the data stream without ending it");
+    for (;;) {
+        dgr::v1::DataFrame kind{};
+        std::string payload;
+        bool ended = false;
+        grpc::Status st = conn->receive(&kind, &payload, &ended);
+        if (!st.ok()) {
+            status = st;
+            break;
+        }
+        if (ended) break;
+        if (kind == dgr::v1::DATA_FRAME_END) {
+            dgr::v1::DataEnd end;
+            if (!end.ParseFromString(payload)) {
+                status = grpc::Status(grpc::StatusCode::INTERNAL, "the stage ended its data stream with an END that does not parse");
+            } else if (end.code() == 0) {
+                status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the stage ended the stream");
+            } else {
+                status = grpc::Status((grpc::StatusCode) end.code(), end.message());
+            }
+            break;
+        }
+        dgr::v1::ForwardReply reply;
+        if (kind == dgr::v1::DATA_FRAME_REPLY && reply.ParseFromString(payload) && reply.has_error()) {
+            bool first = false;
+            {
+                std::lock_guard<std::mutex> lock(mutex_);
+                first = !reported_ && !closing_;
+                reported_ = true;
+            }
+            if (first) on_error_(reply.error());  // not under our lock: it takes locks of its own
+        }
+    }
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ended_ = true;
+    }
+    cv_.notify_all();
+    report(status);
+}
+
+bool DataLink::send(dgr::v1::DataFrame kind, const google::protobuf::MessageLite & message) {
+    std::shared_ptr<FrameConn> conn;
+    {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [this] { return connected_ || ended_; });
+        if (ended_) return false;
+        conn = conn_;
+    }
+    return conn->send(kind, &message);
+}
+
+bool DataLink::write(const dgr::v1::ForwardRequest & request) { return send(dgr::v1::DATA_FRAME_REQUEST, request); }
+bool DataLink::write(const dgr::v1::ForwardReply & token) { return send(dgr::v1::DATA_FRAME_REPLY, token); }
+
+DataLink::~DataLink() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    closing_ = true;
+    cv_.wait(lock, [this] { return connected_ || ended_; });  // connecting is bounded by its timeout
+    if (conn_ && !ended_) {
+        conn_->shutdown_write();
+        // a stage frees the session before it ends the stream: wait briefly for that (the head
+        // needs nothing back)
+        if (kind_ == dgr::v1::DATA_STREAM_FORWARD) cv_.wait_for(lock, kCloseGrace, [this] { return ended_; });
+    }
+    if (conn_) conn_->abort();
+    lock.unlock();
+    reader_.join();
+}
+
 }  // namespace dgr::worker

@@ -46,6 +46,7 @@ struct Args {
     bool mtp = false;  // serve MTP (nextn) layers: reserved, the engine refuses it in alpha
     bool warmup = true;
     int keepalive_ms = dgr::worker::kKeepaliveMs;  // every link, both sides
+    bool data_links = true;  // forward mode's links to plaintext peers: data streams (else gRPC calls)
     std::string compute_slots = "auto";  // a directory, "auto" or "none"
     std::string metrics_listen;          // HOST:PORT for /metrics and /metrics.json (empty: off)
     std::string tls_cert, tls_key, tls_client_ca, peer_ca;  // PEM contents
@@ -120,6 +121,11 @@ void parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--mtp") a.mtp = true;
         else if (k == "--no-warmup") a.warmup = false;
         else if (k == "--compute-slots") a.compute_slots = val();
+        else if (k == "--links") {
+            const std::string v = val();
+            if (v != "data" && v != "grpc") throw std::invalid_argument("--links: data or grpc, not " + v);
+            a.data_links = v == "data";
+        }
         else if (k == "--metrics-listen") a.metrics_listen = val();
         else if (k == "--auth-token-file") {
             std::string token = read_file(val(), k);
@@ -218,7 +224,7 @@ int main(int argc, char ** argv) {
                      "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--max-batch N]\n"
                      "  [--model-fingerprint HEX] [--recipe-id ID] [--drain-seconds N] [--version]\n"
                      "  [--poll 0-100] [--prio auto|0-3] [--rollback 0-64] [--gpu-layers N|-1] [--no-warmup] [--compute-slots DIR|auto|none] [--mtp] [--auth-token-file F]\n"
-                     "  [--metrics-listen HOST:PORT]\n"
+                     "  [--metrics-listen HOST:PORT] [--links data|grpc]\n"
                      "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F] [--keepalive-ms N]\n";
         return 2;
     }
@@ -274,6 +280,7 @@ int main(int argc, char ** argv) {
     peers.token = args.service.token;
     peers.max_message_bytes = args.service.max_message_bytes;
     peers.keepalive_ms = args.keepalive_ms;
+    peers.data_links = args.data_links;
     std::unique_ptr<dgr::worker::ShardService> service_ptr;
     try {
         service_ptr = std::make_unique<dgr::worker::ShardService>(std::move(engine), args.service, peers);
@@ -295,6 +302,7 @@ int main(int argc, char ** argv) {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;
     int port = 0;
+    const uint64_t max_bytes = args.service.max_message_bytes;
     std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
     if (!args.tls_cert.empty()) {
         // TLS; with a client CA, mutual TLS: a client without a certificate it signed is refused
@@ -305,8 +313,21 @@ int main(int argc, char ** argv) {
         ssl.pem_key_cert_pairs.push_back({args.tls_key, args.tls_cert});
         creds = grpc::SslServerCredentials(ssl);
     }
-    builder.AddListeningPort(args.listen, creds, &port);
-    const uint64_t max_bytes = args.service.max_message_bytes;
+    // plaintext: the worker's own listener serves gRPC and data streams on one port (datalink.h);
+    // with TLS (or a unix socket), gRPC listens and links to this worker are gRPC calls
+    std::unique_ptr<dgr::worker::Listener> listener;
+    const bool own_listener = args.tls_cert.empty() && args.listen.rfind("unix", 0) != 0;
+    if (own_listener) {
+        try {
+            listener = std::make_unique<dgr::worker::Listener>(args.listen, args.keepalive_ms, max_bytes * 2);
+        } catch (const std::invalid_argument & e) {
+            std::cerr << "dgr-shard-worker: " << e.what() << "\n";
+            return 4;
+        }
+        port = listener->port();
+    } else {
+        builder.AddListeningPort(args.listen, creds, &port);
+    }
     builder.SetMaxReceiveMessageSize((int) std::min<uint64_t>(max_bytes, INT32_MAX));
     builder.SetMaxSendMessageSize((int) std::min<uint64_t>(max_bytes * 2, INT32_MAX));
     // keepalive: a client that vanished without a reset is dropped (and its sessions freed) after
@@ -325,6 +346,7 @@ int main(int argc, char ** argv) {
         std::cerr << "dgr-shard-worker: cannot listen on " << args.listen << "\n";
         return 4;
     }
+    if (listener) listener->start(server.get(), [&service](std::shared_ptr<dgr::worker::FrameConn> conn) { service.serve_data(conn); });
     server->GetHealthCheckService()->SetServingStatus(true);
     // the launcher reads this line to learn the port (and that the model is loaded and warm)
     std::cout << "DGR-WORKER-READY port=" << port << std::endl;
@@ -335,6 +357,7 @@ int main(int argc, char ** argv) {
     service.set_draining();
     server->GetHealthCheckService()->SetServingStatus(false);
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(args.drain_seconds));
+    if (listener) listener->stop(std::chrono::seconds(args.drain_seconds));
     std::cout << "DGR-WORKER-STOPPED" << std::endl;
     return 0;
 }

@@ -64,6 +64,13 @@ dgr::v1::ForwardReply error_reply(uint64_t session, uint64_t epoch, const dgr::v
     return r;
 }
 
+// compared in time independent of where they differ
+bool same_secret(const std::string & got, const std::string & want) {
+    unsigned char diff = got.size() == want.size() ? 0 : 1;
+    for (size_t i = 0; i < got.size() && i < want.size(); ++i) diff |= (unsigned char) (got[i] ^ want[i]);
+    return diff == 0;
+}
+
 Status one_session(const dgr::v1::ForwardRequest & req, uint64_t session, uint64_t epoch) {
     if (!req.has_route() || req.session_id() != session || req.expect().epoch() != epoch) {
         return Status(StatusCode::INVALID_ARGUMENT,
@@ -74,6 +81,11 @@ Status one_session(const dgr::v1::ForwardRequest & req, uint64_t session, uint64
 
 }  // namespace
 
+// A forward-mode session at the head. Its events (the coordinator's requests, tokens back from
+// the tail, a failure down the route) are handled one at a time, in arrival order, by the thread
+// that delivers one while none is being handled: a token arriving from the tail computes the
+// next decode step on the thread that read it, with no hand-off to another thread (a wake-up on
+// the token's critical path). The session's own thread waits until the flow is over.
 struct HeadFlow {
     struct Event {
         enum Kind { request, token, failure, closed } kind = closed;
@@ -82,24 +94,36 @@ struct HeadFlow {
         dgr::v1::StageError error;
     };
     uint64_t session = 0, epoch = 0;
-    std::mutex m;
-    std::condition_variable cv;
-    std::deque<Event> events;
+    std::function<bool(Event &)> handle;  // true: the flow is over; set before the first push
 
     void push(Event e) {
-        {
-            std::lock_guard<std::mutex> lock(m);
-            events.push_back(std::move(e));
+        std::unique_lock<std::mutex> lock(m_);
+        if (over_) return;  // late: a token or failure after the end
+        events_.push_back(std::move(e));
+        if (busy_) return;  // the thread handling an event takes this one next
+        busy_ = true;
+        while (!events_.empty() && !over_) {
+            Event ev = std::move(events_.front());
+            events_.pop_front();
+            lock.unlock();
+            const bool over = handle(ev);
+            lock.lock();
+            over_ = over_ || over;
         }
-        cv.notify_one();
+        busy_ = false;
+        if (over_) cv_.notify_all();
     }
-    Event pop() {
-        std::unique_lock<std::mutex> lock(m);
-        cv.wait(lock, [this] { return !events.empty(); });
-        Event e = std::move(events.front());
-        events.pop_front();
-        return e;
+    // until an event ended the flow and its handler returned
+    void wait_over() {
+        std::unique_lock<std::mutex> lock(m_);
+        cv_.wait(lock, [this] { return over_ && !busy_; });
     }
+
+private:
+    std::mutex m_;
+    std::condition_variable cv_;
+    std::deque<Event> events_;
+    bool busy_ = false, over_ = false;
 };
 
 // The head's replies to the coordinator in forward mode: tokens gathered into one reply (`token`,
@@ -163,13 +187,17 @@ Status ShardService::authorize(grpc::ServerContext * ctx) const {
         return Status(StatusCode::UNAUTHENTICATED, "missing authorization: this worker needs a bearer token");
     }
     const std::string got(it->second.data(), it->second.size());
-    const std::string want = "Bearer " + options_.token;
-    unsigned char diff = got.size() == want.size() ? 0 : 1;
-    for (size_t i = 0; i < got.size() && i < want.size(); ++i) diff |= (unsigned char) (got[i] ^ want[i]);
-    if (diff != 0) {
+    if (!same_secret(got, "Bearer " + options_.token)) {
         metrics_.error(StatusCode::UNAUTHENTICATED);
         return Status(StatusCode::UNAUTHENTICATED, "wrong bearer token");
     }
+    return Status::OK;
+}
+
+Status ShardService::check_token(const std::string & token) const {
+    if (options_.token.empty()) return Status::OK;
+    if (token.empty()) return Status(StatusCode::UNAUTHENTICATED, "missing authorization: this worker needs a bearer token");
+    if (!same_secret(token, options_.token)) return Status(StatusCode::UNAUTHENTICATED, "wrong bearer token");
     return Status::OK;
 }
 
@@ -322,7 +350,9 @@ Status ShardService::Forward(grpc::ServerContext * ctx, Stream * stream) {
     if (!stream->Read(&req)) return Status::OK;
     if (!req.has_route()) return relay(ctx, stream, std::move(req));
     if (Status st = validate_route(req.route(), desc_); !st.ok()) return st;
-    return desc_.is_head ? forward_head(ctx, stream, std::move(req)) : forward_stage(ctx, stream, std::move(req));
+    if (desc_.is_head) return forward_head(ctx, stream, std::move(req));
+    GrpcUpstream up(stream);
+    return forward_stage(up, std::move(req));
 }
 
 Status ShardService::relay(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req) {
@@ -350,7 +380,7 @@ Status ShardService::relay(grpc::ServerContext * ctx, Stream * stream, dgr::v1::
 
 // a stage after the head: compute, pass the output on (or, at the tail, return the token to the
 // head); a failure further down comes back through the link and goes on upstream
-Status ShardService::forward_stage(grpc::ServerContext *, Stream * stream, dgr::v1::ForwardRequest req) {
+Status ShardService::forward_stage(Upstream & stream, dgr::v1::ForwardRequest req) {
     const uint64_t session = req.session_id(), epoch = req.expect().epoch();
     const dgr::v1::RouteSpec route = req.route();
     const uint32_t me = route.stage_index();
@@ -359,12 +389,12 @@ Status ShardService::forward_stage(grpc::ServerContext *, Stream * stream, dgr::
     auto report_up = [&](const dgr::v1::StageError & e) {
         if (failed.exchange(true)) return;
         std::lock_guard<std::mutex> lock(up_mutex);
-        stream->Write(error_reply(session, epoch, e));
+        stream.write(error_reply(session, epoch, e));
     };
     Status result = Status::OK;
     {
-        std::unique_ptr<DownstreamLink> down;
-        std::unique_ptr<LoopLink> loop;
+        std::unique_ptr<Downstream> down;
+        std::unique_ptr<TokenReturn> loop;
         do {
             if (failed.load()) continue;  // broken further down: drain until the sender closes
             if (Status st = one_session(req, session, epoch); !st.ok()) {
@@ -373,9 +403,9 @@ Status ShardService::forward_stage(grpc::ServerContext *, Stream * stream, dgr::
             }
             // the session's link opens before the first compute: its handshake overlaps it
             if (!desc_.is_tail && !down) {
-                down = std::make_unique<DownstreamLink>(peers_, route.stages(me + 1), me + 1, report_up);
+                down = peers_.downstream(route.stages(me + 1), me + 1, report_up);
             } else if (desc_.is_tail && !loop) {
-                loop = std::make_unique<LoopLink>(peers_, route.stages(0));
+                loop = peers_.token_return(route.stages(0), report_up);
             }
             dgr::v1::ForwardReply reply;
             if (Status st = compute(req, &reply); !st.ok()) {
@@ -390,7 +420,7 @@ Status ShardService::forward_stage(grpc::ServerContext *, Stream * stream, dgr::
                                           Status(StatusCode::UNAVAILABLE, "the tail could not return its token to the head")));
                 }
             }
-        } while (stream->Read(&req));
+        } while (stream.read(&req));
     }  // links closed before the session goes
     release(session, epoch);
     return result;
@@ -414,21 +444,12 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
         }
         flows_[session] = flow;
     }
-    // the first request goes in before the reader starts: the coordinator sends its chunks back
-    // to back, and the second must not overtake the first
-    flow->push(Event{Event::request, std::move(first), {}, {}});
-    std::thread upstream([&] {
-        dgr::v1::ForwardRequest r;
-        while (stream->Read(&r)) flow->push(Event{Event::request, std::move(r), {}, {}});
-        flow->push(Event{Event::closed, {}, {}, {}});
-    });
-
     Status result = Status::OK;
     bool done = false, closed = false, generating = false, finished = false;
     uint32_t max_tokens = 0, generated = 0;
     std::set<int32_t> stop;
     dgr::v1::ForwardRequest step;  // the template of decode steps: sampling, dtype, route
-    std::unique_ptr<DownstreamLink> down;
+    std::unique_ptr<Downstream> down;
     // speculative decoding (Draft on the last prefill chunk): the session's tokens so far, the
     // drafter over them, and when the step in flight left
     std::unique_ptr<PromptLookup> lookup;
@@ -447,7 +468,7 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
     };
     auto process = [&](const dgr::v1::ForwardRequest & r) {
         if (!desc_.is_tail && !down) {  // opened before the first compute: the handshake overlaps it
-            down = std::make_unique<DownstreamLink>(peers_, route.stages(1), 1, [flow](const dgr::v1::StageError & e) {
+            down = peers_.downstream(route.stages(1), 1, [flow](const dgr::v1::StageError & e) {
                 flow->push(Event{Event::failure, {}, {}, e});
             });
         }
@@ -459,9 +480,8 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
         }
         down->write(next_request(r, &reply));  // a broken link is reported by its reader
     };
-    while (!done) {
+    flow->handle = [&](Event & ev) {
         // a cancelled or vanished coordinator ends the reader's Read, which queues `closed`
-        Event ev = flow->pop();
         switch (ev.kind) {
             case Event::request:
                 if (Status st = one_session(ev.req, session, epoch); !st.ok()) {
@@ -557,7 +577,17 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                 done = true;
                 break;
         }
-    }
+        return done;
+    };
+    // the first request goes in before the reader starts: the coordinator sends its chunks back
+    // to back, and the second must not overtake the first
+    flow->push(Event{Event::request, std::move(first), {}, {}});
+    std::thread upstream([&] {
+        dgr::v1::ForwardRequest r;
+        while (stream->Read(&r)) flow->push(Event{Event::request, std::move(r), {}, {}});
+        flow->push(Event{Event::closed, {}, {}, {}});
+    });
+    flow->wait_over();
     if (!closed) ctx->TryCancel();  // ends the reader's Read (the error reply is already written)
     upstream.join();
     down.reset();
@@ -572,8 +602,12 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
 
 Status ShardService::Loop(grpc::ServerContext * ctx, grpc::ServerReader<dgr::v1::ForwardReply> * reader, dgr::v1::LoopReply *) {
     if (Status st = authorize(ctx); !st.ok()) return st;
+    return loop_tokens([reader](dgr::v1::ForwardReply * msg) { return reader->Read(msg); });
+}
+
+Status ShardService::loop_tokens(const std::function<bool(dgr::v1::ForwardReply *)> & read) {
     dgr::v1::ForwardReply msg;
-    while (reader->Read(&msg)) {
+    while (read(&msg)) {
         std::shared_ptr<HeadFlow> flow;
         {
             std::lock_guard<std::mutex> lock(mutex_);
@@ -589,6 +623,48 @@ Status ShardService::Loop(grpc::ServerContext * ctx, grpc::ServerReader<dgr::v1:
         flow->push(HeadFlow::Event{HeadFlow::Event::token, {}, std::move(msg), {}});
     }
     return Status::OK;
+}
+
+// A data stream (datalink.h): HELLO, then as Forward (forward mode, a stage after the head) or as
+// Loop (the head), then END with the status the call would have ended with.
+void ShardService::serve_data(const std::shared_ptr<FrameConn> & conn) {
+    DataUpstream up(*conn);
+    Status st = serve_data_stream(up);
+    if (st.ok() && !up.failure().ok()) st = up.failure();  // the stream broke: say why
+    if (!st.ok()) metrics_.error(st.error_code());
+    dgr::v1::DataEnd end;
+    end.set_code((int32_t) st.error_code());
+    end.set_message(st.error_message());
+    conn->send(dgr::v1::DATA_FRAME_END, &end);
+    conn->shutdown_write();
+}
+
+Status ShardService::serve_data_stream(DataUpstream & up) {
+    dgr::v1::DataHello hello;
+    bool ended = false;
+    if (Status st = up.conn().receive_message(dgr::v1::DATA_FRAME_HELLO, &hello, &ended); !st.ok() || ended) {
+        return ended ? Status(StatusCode::INVALID_ARGUMENT, "data stream: closed before its HELLO") : st;
+    }
+    if (Status st = check_token(hello.token()); !st.ok()) return st;
+    if (draining_.load()) return Status(StatusCode::UNAVAILABLE, "draining: not accepting new streams");
+    switch (hello.stream()) {
+        case dgr::v1::DATA_STREAM_FORWARD: {
+            dgr::v1::ForwardRequest req;
+            if (!up.read(&req)) return Status::OK;
+            if (!req.has_route()) return Status(StatusCode::INVALID_ARGUMENT, "route: a data stream carries forward mode only");
+            if (Status st = validate_route(req.route(), desc_); !st.ok()) return st;
+            if (desc_.is_head) {
+                return Status(StatusCode::INVALID_ARGUMENT,
+                              "route: the head takes its stream from the coordinator, over gRPC");
+            }
+            return forward_stage(up, std::move(req));
+        }
+        case dgr::v1::DATA_STREAM_LOOP:
+            return loop_tokens([&up](dgr::v1::ForwardReply * msg) { return up.read_reply(msg); });
+        default:
+            return Status(StatusCode::INVALID_ARGUMENT,
+                          "data stream: HELLO names stream " + std::to_string((int) hello.stream()) + ", not FORWARD or LOOP");
+    }
 }
 
 }  // namespace dgr::worker

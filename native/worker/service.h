@@ -20,6 +20,7 @@
 #include "forwarding.h"
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -40,6 +41,47 @@ struct ServiceOptions {
 
 struct HeadFlow;
 
+// Where a stage after the head reads its forward-mode requests and writes its error replies
+// upstream: a gRPC Forward call, or a data stream (datalink.h).
+class Upstream {
+public:
+    virtual ~Upstream() = default;
+    virtual bool read(dgr::v1::ForwardRequest * request) = 0;  // false: the stream ended
+    virtual bool write(const dgr::v1::ForwardReply & reply) = 0;
+};
+
+class GrpcUpstream final : public Upstream {
+public:
+    using Stream = grpc::ServerReaderWriter<dgr::v1::ForwardReply, dgr::v1::ForwardRequest>;
+    explicit GrpcUpstream(Stream * stream) : stream_(stream) {}
+    bool read(dgr::v1::ForwardRequest * request) override { return stream_->Read(request); }
+    bool write(const dgr::v1::ForwardReply & reply) override { return stream_->Write(reply); }
+
+private:
+    Stream * stream_;
+};
+
+class DataUpstream final : public Upstream {
+public:
+    explicit DataUpstream(FrameConn & conn) : conn_(conn) {}
+    bool read(dgr::v1::ForwardRequest * request) override { return next(dgr::v1::DATA_FRAME_REQUEST, request); }
+    bool read_reply(dgr::v1::ForwardReply * reply) { return next(dgr::v1::DATA_FRAME_REPLY, reply); }
+    bool write(const dgr::v1::ForwardReply & reply) override { return conn_.send(dgr::v1::DATA_FRAME_REPLY, &reply); }
+    FrameConn & conn() { return conn_; }
+    // why reading stopped, when it was not the peer closing the stream (a malformed frame, a
+    // silent peer)
+    const grpc::Status & failure() const { return failure_; }
+
+private:
+    bool next(dgr::v1::DataFrame kind, google::protobuf::MessageLite * message) {
+        bool ended = false;
+        failure_ = conn_.receive_message(kind, message, &ended);
+        return failure_.ok() && !ended;
+    }
+    FrameConn & conn_;
+    grpc::Status failure_;
+};
+
 class ShardService final : public dgr::v1::ShardService::Service {
 public:
     ShardService(std::unique_ptr<dgr::ShardEngine> engine, ServiceOptions options, PeerOptions peers);
@@ -54,6 +96,10 @@ public:
     grpc::Status Loop(grpc::ServerContext * ctx, grpc::ServerReader<dgr::v1::ForwardReply> * reader, dgr::v1::LoopReply *) override;
 
     void set_draining() { draining_.store(true); }
+
+    // a data stream accepted by the worker's Listener (datalink.h), served on the calling thread
+    // until it ends
+    void serve_data(const std::shared_ptr<FrameConn> & conn);
 
     // One request through validation, the engine and (at the tail) the sampler, into its reply:
     // what both modes run for every request that arrives. (Public for the fuzz harness, which
@@ -75,7 +121,10 @@ private:
     // prefix of drafts the samples agree with, and one sample more
     void verify(const dgr::v1::ForwardRequest & req, const dgr::ForwardResult & res, dgr::v1::ForwardReply * reply);
     grpc::Status relay(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
-    grpc::Status forward_stage(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
+    grpc::Status forward_stage(Upstream & stream, dgr::v1::ForwardRequest req);
+    grpc::Status serve_data_stream(DataUpstream & up);
+    grpc::Status loop_tokens(const std::function<bool(dgr::v1::ForwardReply *)> & read);
+    grpc::Status check_token(const std::string & token) const;  // a data stream's HELLO
     grpc::Status forward_head(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
     void release(uint64_t session, uint64_t epoch);
 

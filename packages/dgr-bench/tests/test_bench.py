@@ -12,6 +12,7 @@ from dgr_bench.bench import (
     SINGLE_PRIO,
     SINGLE_STOCK,
     THREE,
+    THREE_GRPC,
     THREE_RT,
     paired_ratios,
 )
@@ -25,6 +26,7 @@ def rnd(
         SINGLE_LANE: {"prefill": 90.0, "decode": lane},
         SINGLE_PRIO: {"prefill": 80.0, "decode": prio},
         THREE_RT: {"prefill": 95.0, "decode": three + 3},
+        THREE_GRPC: {"prefill": 95.0, "decode": three / 1.2},
         ENGINE: {"prefill": 100.0, "decode": 50.0},
         ONE: {"prefill": 100.0, "decode": one},
         THREE: {"prefill": 95.0, "decode": three},
@@ -46,6 +48,8 @@ def test_each_round_is_held_to_its_faster_build() -> None:
     assert p["per_round"]["decode_ratio_3stage_realtime_vs_single"] == pytest.approx(
         [57 / 60, 75 / 80, 27 / 30]
     )
+    # and the data plane's gain over gRPC links, within each round
+    assert p["ratios"]["decode_ratio_3stage_data_vs_grpc_links"] == pytest.approx(1.2)
 
 
 def test_llama_bench_at_prio_1_is_a_reference_too() -> None:

@@ -52,6 +52,9 @@ ONE, THREE = "DGR forward 1 stage", "DGR forward 3 stages"
 # the same 3-stage route with its workers' compute threads at a realtime priority (`--prio auto`,
 # opt-in): reported beside the default, not gated
 THREE_RT = "DGR forward 3 stages, --prio auto"
+# and over gRPC calls between the stages instead of data streams (`--links grpc`, what TLS
+# routes use): the data plane's gain, measured beside it
+THREE_GRPC = "DGR forward 3 stages, --links grpc"
 RPC2 = "llama.cpp RPC (2 servers)"
 PAIRED_ROUNDS = 7
 
@@ -302,19 +305,25 @@ def paired(
 
     prompt = prompt_tokens()
     engine = load().Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
-    fleets: dict[int, list[Any]] = {}
-    routes: dict[int, Route] = {}
+    fleets: dict[str, list[Any]] = {}
+    routes: dict[str, Route] = {}
     procs, servers = rpc_servers(with_rpc / "ggml-rpc-server", 2, threads)
     rpc = ["--rpc", ",".join(servers), "-ngl", "99", "-ts", "1/1"]
     try:
-        for n, extra in ((1, []), (3, []), (-3, ["--prio", "auto"])):
-            fleets[n] = [
+        fleet_setups = {
+            ONE: (1, []),
+            THREE: (3, []),
+            THREE_RT: (3, ["--prio", "auto"]),
+            THREE_GRPC: (3, ["--links", "grpc"]),
+        }
+        for name, (n, extra) in fleet_setups.items():
+            fleets[name] = [
                 start_worker(
                     model, a, b, descriptor=descriptor, threads=threads, n_ctx=1024, extra=extra
                 )
-                for a, b in even_layout(n_layer, abs(n))
+                for a, b in even_layout(n_layer, n)
             ]
-            routes[n] = Route.open([w.address for w in fleets[n]], timeout=120)
+            routes[name] = Route.open([w.address for w in fleets[name]], timeout=120)
         setups = {
             SINGLE_STOCK: lambda: llama_bench(with_rpc / "llama-bench", model, [], threads, 1),
             SINGLE_LANE: lambda: llama_bench(plain / "llama-bench", model, [], threads, 1),
@@ -322,9 +331,10 @@ def paired(
                 plain / "llama-bench", model, ["--prio", "1"], threads, 1
             ),
             ENGINE: lambda: engine_round(engine, prompt),
-            ONE: lambda: route_round(routes[1], prompt, DECODE_TOKENS),
-            THREE: lambda: route_round(routes[3], prompt, DECODE_TOKENS),
-            THREE_RT: lambda: route_round(routes[-3], prompt, DECODE_TOKENS),
+            ONE: lambda: route_round(routes[ONE], prompt, DECODE_TOKENS),
+            THREE: lambda: route_round(routes[THREE], prompt, DECODE_TOKENS),
+            THREE_RT: lambda: route_round(routes[THREE_RT], prompt, DECODE_TOKENS),
+            THREE_GRPC: lambda: route_round(routes[THREE_GRPC], prompt, DECODE_TOKENS),
             RPC2: lambda: llama_bench(with_rpc / "llama-bench", model, rpc, threads, 1),
         }
         engine_round(engine, prompt)  # untimed: the engine's first graphs (workers warm up alone)
@@ -361,6 +371,9 @@ def paired_ratios(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
         "decode_ratio_3stage_vs_engine": [r[THREE]["decode"] / r[ENGINE]["decode"] for r in rounds],
         "decode_ratio_3stage_realtime_vs_single": [
             r[THREE_RT]["decode"] / single(r, "decode") for r in rounds
+        ],
+        "decode_ratio_3stage_data_vs_grpc_links": [
+            r[THREE]["decode"] / r[THREE_GRPC]["decode"] for r in rounds
         ],
         "decode_ratio_1stage_vs_engine": [r[ONE]["decode"] / r[ENGINE]["decode"] for r in rounds],
         "ms_per_token_1stage_over_engine": [

@@ -93,6 +93,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         # 0 is a value here (the worker's default off the CPU lane is all layers)
         *(["--gpu-layers", str(args.gpu_layers)] if args.gpu_layers is not None else []),
         *(["--mtp"] if args.mtp else []),
+        "--links",
+        args.links,
     ]
     os.execv(cmd[0], cmd)  # the worker replaces this process: signals reach it directly
 
@@ -267,6 +269,13 @@ def register_worker(sub: Any) -> None:
     )
     p.add_argument(
         "--mtp", action="store_true", help="serve the MTP block (reserved: refused in alpha)"
+    )
+    p.add_argument(
+        "--links",
+        choices=("data", "grpc"),
+        default="data",
+        help="forward mode's links to plaintext peers: framed TCP streams on the workers' own "
+        "ports (data, the default) or gRPC calls (TLS peers always use gRPC)",
     )
     p.add_argument("--tls-cert", type=Path, help="PEM server certificate (serve TLS)")
     p.add_argument("--tls-key", type=Path, help="PEM key of the server certificate")

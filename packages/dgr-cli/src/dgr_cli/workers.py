@@ -54,15 +54,17 @@ class WorkerProcess:
         self.proc.kill()
         self.proc.wait()
 
-    def sessions(self, timeout: float = 5.0) -> int:
-        """The sessions the worker holds now (its Health answer; a channel of its own, closed)."""
+    def sessions(self, timeout: float = 5.0, token: str | None = None) -> int:
+        """The sessions the worker holds now (its Health answer; a channel of its own, closed;
+        `token`: the worker's bearer token, where it needs one)."""
         import grpc
         from dgr.v1 import shard_pb2 as pb
         from dgr.v1 import shard_pb2_grpc as pb_grpc
 
+        metadata = [("authorization", f"Bearer {token}")] if token else None
         with grpc.insecure_channel(self.address) as channel:
             stub = pb_grpc.ShardServiceStub(channel)  # type: ignore[no-untyped-call]  # generated
-            return int(stub.Health(pb.HealthRequest(), timeout=timeout).sessions)
+            return int(stub.Health(pb.HealthRequest(), timeout=timeout, metadata=metadata).sessions)
 
 
 def descriptor_args(model: Path) -> list[str]:

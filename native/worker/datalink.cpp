@@ -1,0 +1,407 @@
+#include "datalink.h"
+
+#include <grpcpp/server_posix.h>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+namespace dgr::worker {
+
+using grpc::Status;
+using grpc::StatusCode;
+
+namespace {
+
+int64_t now_ms() {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+// TCP_NODELAY (a boundary goes out at once) and TCP_USER_TIMEOUT (data unacknowledged for the
+// keepalive bound breaks the stream, where the peer's host vanished)
+void tune(int fd, int keepalive_ms) {
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    unsigned timeout = (unsigned) (keepalive_ms + keepalive_ms / 2);
+    setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &timeout, sizeof(timeout));
+}
+
+// HOST:PORT or [V6]:PORT
+bool split_address(const std::string & address, std::string * host, std::string * port) {
+    const auto colon = address.rfind(':');
+    if (colon == std::string::npos || colon + 1 == address.size()) return false;
+    *host = address.substr(0, colon);
+    *port = address.substr(colon + 1);
+    if (host->size() >= 2 && host->front() == '[' && host->back() == ']') *host = host->substr(1, host->size() - 2);
+    return !host->empty();
+}
+
+std::string errno_text(const char * what) { return std::string(what) + ": " + std::strerror(errno); }
+
+}  // namespace
+
+Status decode_frame_header(const uint8_t * header, uint64_t max_payload, dgr::v1::DataFrame * kind, uint32_t * length) {
+    const uint32_t n = (uint32_t) header[0] | (uint32_t) header[1] << 8 | (uint32_t) header[2] << 16 |
+                       (uint32_t) header[3] << 24;
+    const int k = header[4];
+    if (k == dgr::v1::DATA_FRAME_UNSPECIFIED || !dgr::v1::DataFrame_IsValid(k)) {
+        return Status(StatusCode::INVALID_ARGUMENT, "data stream: unknown frame kind " + std::to_string(k));
+    }
+    if (n > max_payload) {
+        return Status(StatusCode::INVALID_ARGUMENT, "data stream: a frame of " + std::to_string(n) +
+                                                        " bytes, more than the " + std::to_string(max_payload) +
+                                                        " this worker takes");
+    }
+    if ((k == dgr::v1::DATA_FRAME_ALIVE) && n != 0) {
+        return Status(StatusCode::INVALID_ARGUMENT, "data stream: an ALIVE frame carries no payload");
+    }
+    *kind = (dgr::v1::DataFrame) k;
+    *length = n;
+    return Status::OK;
+}
+
+FrameConn::FrameConn(int fd, int keepalive_ms, uint64_t max_payload)
+    : fd_(fd), keepalive_ms_(keepalive_ms), max_payload_(max_payload), last_sent_ms_(now_ms()) {
+    tune(fd_, keepalive_ms_);
+}
+
+FrameConn::~FrameConn() { ::close(fd_); }
+
+bool FrameConn::send_raw(const void * data, size_t n) {
+    const char * p = (const char *) data;
+    while (n > 0) {
+        const ssize_t w = ::send(fd_, p, n, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return false;
+        }
+        p += w;
+        n -= (size_t) w;
+    }
+    last_sent_ms_.store(now_ms());
+    return true;
+}
+
+bool FrameConn::send(dgr::v1::DataFrame kind, const google::protobuf::MessageLite * message) {
+    const size_t n = message ? message->ByteSizeLong() : 0;
+    if (n > max_payload_ || n > UINT32_MAX) return false;
+    std::string frame(kFrameHeader + n, '\0');
+    for (int i = 0; i < 4; ++i) frame[(size_t) i] = (char) ((n >> (8 * i)) & 0xff);
+    frame[4] = (char) kind;
+    if (message && !message->SerializeToArray(frame.data() + kFrameHeader, (int) n)) return false;
+    std::lock_guard<std::mutex> lock(send_mutex_);
+    return send_raw(frame.data(), frame.size());
+}
+
+void FrameConn::beat() {
+    if (now_ms() - last_sent_ms_.load() < keepalive_ms_ / 2) return;
+    std::unique_lock<std::mutex> lock(send_mutex_, std::try_to_lock);
+    if (!lock.owns_lock()) return;  // a frame is going out: that is a sign of life already
+    const uint8_t alive[kFrameHeader] = {0, 0, 0, 0, (uint8_t) dgr::v1::DATA_FRAME_ALIVE};
+    send_raw(alive, sizeof(alive));
+}
+
+Status FrameConn::fill(size_t need, bool * ended) {
+    *ended = false;
+    if (in_at_ > 0 && in_at_ == in_.size()) {
+        in_.clear();
+        in_at_ = 0;
+    }
+    const int64_t silent_ms = keepalive_ms_ + keepalive_ms_ / 2;
+    int64_t heard = now_ms();
+    while (in_.size() - in_at_ < need) {
+        const int64_t left = silent_ms - (now_ms() - heard);
+        if (left <= 0) {
+            return Status(StatusCode::UNAVAILABLE,
+                          "the peer sent nothing for " + std::to_string(silent_ms) + " ms (keepalive)");
+        }
+        pollfd p{fd_, POLLIN, 0};
+        const int ready = ::poll(&p, 1, (int) left);
+        if (ready < 0) {
+            if (errno == EINTR) continue;
+            return Status(StatusCode::UNAVAILABLE, errno_text("data stream: poll"));
+        }
+        if (ready == 0) continue;
+        char buf[1 << 16];
+        const ssize_t r = ::recv(fd_, buf, sizeof(buf), 0);
+        if (r < 0) {
+            if (errno == EINTR || errno == EAGAIN) continue;
+            return Status(StatusCode::UNAVAILABLE, errno_text("data stream"));
+        }
+        if (r == 0) {
+            if (in_.size() == in_at_) {
+                *ended = true;
+                return Status::OK;
+            }
+            return Status(StatusCode::UNAVAILABLE, "data stream: the peer closed it within a frame");
+        }
+        in_.append(buf, (size_t) r);
+        heard = now_ms();
+    }
+    return Status::OK;
+}
+
+Status FrameConn::receive(dgr::v1::DataFrame * kind, std::string * payload, bool * ended) {
+    for (;;) {
+        if (Status st = fill(kFrameHeader, ended); !st.ok() || *ended) return st;
+        uint32_t n = 0;
+        if (Status st = decode_frame_header((const uint8_t *) in_.data() + in_at_, max_payload_, kind, &n); !st.ok()) {
+            return st;
+        }
+        if (Status st = fill(kFrameHeader + n, ended); !st.ok()) return st;
+        if (*ended) return Status(StatusCode::UNAVAILABLE, "data stream: the peer closed it within a frame");
+        payload->assign(in_, in_at_ + kFrameHeader, n);
+        in_at_ += kFrameHeader + n;
+        if (*kind != dgr::v1::DATA_FRAME_ALIVE) return Status::OK;
+    }
+}
+
+Status FrameConn::receive_message(dgr::v1::DataFrame want, google::protobuf::MessageLite * message, bool * ended) {
+    dgr::v1::DataFrame kind{};
+    std::string payload;
+    if (Status st = receive(&kind, &payload, ended); !st.ok() || *ended) return st;
+    if (kind != want) {
+        return Status(StatusCode::INVALID_ARGUMENT, "data stream: a " + dgr::v1::DataFrame_Name(kind) +
+                                                        " frame where " + dgr::v1::DataFrame_Name(want) +
+                                                        " was expected");
+    }
+    if (!message->ParseFromString(payload)) {
+        return Status(StatusCode::INVALID_ARGUMENT,
+                      "data stream: a " + dgr::v1::DataFrame_Name(kind) + " frame that does not parse as " +
+                          message->GetTypeName());
+    }
+    return Status::OK;
+}
+
+void FrameConn::shutdown_write() { ::shutdown(fd_, SHUT_WR); }
+void FrameConn::abort() { ::shutdown(fd_, SHUT_RDWR); }
+
+std::unique_ptr<FrameConn> connect_data(const std::string & address, const dgr::v1::DataHello & hello,
+                                        int keepalive_ms, uint64_t max_payload, std::chrono::milliseconds timeout,
+                                        std::string * error) {
+    std::string host, port;
+    if (!split_address(address, &host, &port)) {
+        *error = "not HOST:PORT: " + address;
+        return nullptr;
+    }
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo * found = nullptr;
+    if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &found); rc != 0) {
+        *error = "cannot resolve " + address + ": " + gai_strerror(rc);
+        return nullptr;
+    }
+    std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> list(found, freeaddrinfo);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    *error = "cannot connect to " + address;
+    for (addrinfo * ai = found; ai; ai = ai->ai_next) {
+        const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
+        if (fd < 0) continue;
+        int rc = ::connect(fd, ai->ai_addr, ai->ai_addrlen);
+        if (rc < 0 && errno == EINPROGRESS) {
+            const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+            pollfd p{fd, POLLOUT, 0};
+            int err = ETIMEDOUT;
+            if (left.count() > 0 && ::poll(&p, 1, (int) left.count()) == 1) {
+                socklen_t len = sizeof(err);
+                getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+            }
+            rc = err == 0 ? 0 : -1;
+            errno = err;
+        }
+        if (rc < 0) {
+            *error = errno_text(("cannot connect to " + address).c_str());
+            ::close(fd);
+            continue;
+        }
+        ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+        auto conn = std::make_unique<FrameConn>(fd, keepalive_ms, max_payload);
+        if (!conn->send_raw(kDataMagic, sizeof(kDataMagic)) || !conn->send(dgr::v1::DATA_FRAME_HELLO, &hello)) {
+            *error = errno_text(("cannot open a data stream to " + address).c_str());
+            return nullptr;
+        }
+        error->clear();
+        return conn;
+    }
+    return nullptr;
+}
+
+namespace {
+
+class Heartbeats {
+public:
+    static Heartbeats & get() {
+        static Heartbeats * h = new Heartbeats();  // never destroyed: its thread outlives main's objects
+        return *h;
+    }
+    void add(const std::shared_ptr<FrameConn> & conn) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        interval_ms_ = std::min(interval_ms_, std::max(50, conn->keepalive_ms() / 4));
+        conns_.push_back(conn);
+        if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    }
+
+private:
+    void run() {
+        std::unique_lock<std::mutex> lock(mutex_);
+        for (;;) {
+            cv_.wait_for(lock, std::chrono::milliseconds(interval_ms_));
+            std::vector<std::shared_ptr<FrameConn>> live;
+            std::vector<std::weak_ptr<FrameConn>> kept;
+            for (auto & w : conns_) {
+                if (auto c = w.lock()) {
+                    live.push_back(std::move(c));
+                    kept.push_back(w);
+                }
+            }
+            conns_.swap(kept);
+            lock.unlock();
+            for (auto & c : live) c->beat();
+            live.clear();
+            lock.lock();
+        }
+    }
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    int interval_ms_ = 2500;
+    std::vector<std::weak_ptr<FrameConn>> conns_;
+    std::thread thread_;
+};
+
+}  // namespace
+
+void keep_alive(const std::shared_ptr<FrameConn> & conn) { Heartbeats::get().add(conn); }
+
+Listener::Listener(const std::string & address, int keepalive_ms, uint64_t max_payload)
+    : keepalive_ms_(keepalive_ms), max_payload_(max_payload) {
+    std::string host, port;
+    if (!split_address(address, &host, &port)) throw std::invalid_argument("--listen: not HOST:PORT: " + address);
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    addrinfo * found = nullptr;
+    if (int rc = getaddrinfo(host == "*" ? nullptr : host.c_str(), port.c_str(), &hints, &found); rc != 0) {
+        throw std::invalid_argument("--listen: cannot resolve " + address + ": " + gai_strerror(rc));
+    }
+    std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> list(found, freeaddrinfo);
+    std::string why = "no address";
+    for (addrinfo * ai = found; ai; ai = ai->ai_next) {
+        const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) continue;
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+        if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 128) == 0) {
+            sockaddr_storage bound{};
+            socklen_t len = sizeof(bound);
+            getsockname(fd, (sockaddr *) &bound, &len);
+            port_ = ntohs(bound.ss_family == AF_INET6 ? ((sockaddr_in6 *) &bound)->sin6_port
+                                                      : ((sockaddr_in *) &bound)->sin_port);
+            fd_ = fd;
+            return;
+        }
+        why = std::strerror(errno);
+        ::close(fd);
+    }
+    throw std::invalid_argument("--listen: cannot listen on " + address + ": " + why);
+}
+
+Listener::~Listener() { stop(std::chrono::milliseconds(2000)); }
+
+void Listener::start(grpc::Server * server, OnData on_data) {
+    server_ = server;
+    on_data_ = std::move(on_data);
+    acceptor_ = std::thread([this] { accept_loop(); });
+}
+
+void Listener::accept_loop() {
+    for (;;) {
+        const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (stopping_.load()) {
+            if (fd >= 0) ::close(fd);
+            return;
+        }
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE) {
+                if (errno == EMFILE || errno == ENFILE) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+                continue;
+            }
+            return;
+        }
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++live_;
+        std::thread([this, fd] { classify(fd); }).detach();
+    }
+}
+
+void Listener::classify(int fd) {
+    // the first four bytes: "DGR1" opens a data stream, anything else is gRPC (HTTP/2's preface)
+    char head[sizeof(kDataMagic)] = {};
+    size_t got = 0;
+    bool data = true;
+    while (got < sizeof(head) && data) {
+        pollfd p{fd, POLLIN, 0};
+        if (::poll(&p, 1, keepalive_ms_) != 1) break;  // silent: dropped
+        const ssize_t r = ::recv(fd, head, sizeof(head), MSG_PEEK);
+        if (r <= 0) break;
+        got = (size_t) r;
+        data = std::memcmp(head, kDataMagic, got) == 0;
+        if (got < sizeof(head) && data) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::shared_ptr<FrameConn> conn;
+    if (!stopping_.load() && got > 0 && !data) {
+        // gRPC owns the socket from here, and reads it without blocking
+        ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+        grpc::AddInsecureChannelFromFd(server_, fd);
+    } else if (!stopping_.load() && got == sizeof(head) && data) {
+        ::recv(fd, head, sizeof(head), 0);
+        conn = std::make_shared<FrameConn>(fd, keepalive_ms_, max_payload_);
+    } else {
+        ::close(fd);
+    }
+    if (conn) {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            streams_.erase(std::remove_if(streams_.begin(), streams_.end(),
+                                          [](const std::weak_ptr<FrameConn> & w) { return w.expired(); }),
+                           streams_.end());
+            streams_.push_back(conn);
+        }
+        keep_alive(conn);
+        on_data_(conn);
+        conn.reset();
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    --live_;
+    idle_cv_.notify_all();
+}
+
+void Listener::stop(std::chrono::milliseconds grace) {
+    if (fd_ < 0 || stopping_.exchange(true)) return;
+    ::shutdown(fd_, SHUT_RDWR);  // ends accept()
+    if (acceptor_.joinable()) acceptor_.join();
+    ::close(fd_);
+    // streams in flight finish within the grace; the rest are cut
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (idle_cv_.wait_for(lock, grace, [this] { return live_ == 0; })) return;
+    for (auto & w : streams_) {
+        if (auto c = w.lock()) c->abort();
+    }
+    idle_cv_.wait_for(lock, std::chrono::seconds(2), [this] { return live_ == 0; });
+}
+
+}  // namespace dgr::worker

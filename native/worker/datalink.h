@@ -1,0 +1,117 @@
+// The direct data plane (proto/dgr/v1/shard.proto, DataFrame): forward mode's links between
+// plaintext workers as framed TCP streams on the worker's own port, read and written by the
+// threads that compute. Over gRPC a boundary arriving at a stage woke a poller thread, which woke
+// the handler blocked in Read: two wake-ups per seam on the token's critical path, each one a
+// scheduler latency on a host whose cores the stages share. Here the kernel wakes the thread
+// that computes.
+//
+// - Listener: the worker's port. It tells a data stream ("DGR1") from a gRPC connection by its
+//   first bytes and hands the latter to the gRPC server, so one address serves both and whatever
+//   stands in front of it (a proxy, a port forward) carries both.
+// - FrameConn: one connected stream; frames in and out, heartbeats (ALIVE) sent for it by one
+//   thread of the process, and a peer that sent nothing for keepalive x 1.5 dropped.
+// - connect_data: the connecting side (DataLink in forwarding.h).
+#pragma once
+
+#include "dgr/v1/shard.pb.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dgr::worker {
+
+constexpr char kDataMagic[4] = {'D', 'G', 'R', '1'};
+constexpr size_t kFrameHeader = 5;  // uint32 little-endian payload length, one DataFrame byte
+
+// a frame's header, checked: a known kind and a payload of at most max_payload bytes
+grpc::Status decode_frame_header(const uint8_t * header, uint64_t max_payload, dgr::v1::DataFrame * kind,
+                                 uint32_t * length);
+
+class FrameConn {
+public:
+    // takes the connected socket (closed on destruction); frames of at most max_payload bytes
+    FrameConn(int fd, int keepalive_ms, uint64_t max_payload);
+    ~FrameConn();
+    FrameConn(const FrameConn &) = delete;
+    FrameConn & operator=(const FrameConn &) = delete;
+
+    // one frame (payload: the message, or none); false when the stream is broken
+    bool send(dgr::v1::DataFrame kind, const google::protobuf::MessageLite * message = nullptr);
+    bool send_raw(const void * data, size_t n);  // bytes as they are (the magic)
+
+    // the next frame that is not a heartbeat. OK with *kind set; OK with *ended when the peer
+    // closed the stream between frames; otherwise why the stream is broken (a malformed frame,
+    // a reset, or a peer silent for keepalive x 1.5)
+    grpc::Status receive(dgr::v1::DataFrame * kind, std::string * payload, bool * ended);
+    // a message of the kind expected next; INVALID_ARGUMENT naming the frame otherwise
+    grpc::Status receive_message(dgr::v1::DataFrame want, google::protobuf::MessageLite * message, bool * ended);
+
+    void shutdown_write();  // the peer reads the end of the stream
+    void abort();           // both directions: a thread blocked in receive returns
+
+    // the heartbeat: ALIVE unless something was sent within half the keepalive (never blocks)
+    void beat();
+    int keepalive_ms() const { return keepalive_ms_; }
+
+private:
+    grpc::Status fill(size_t need, bool * ended);  // at least `need` bytes buffered
+
+    int fd_;
+    const int keepalive_ms_;
+    const uint64_t max_payload_;
+    std::mutex send_mutex_;
+    std::atomic<int64_t> last_sent_ms_;
+    std::string in_;   // received, not yet taken
+    size_t in_at_ = 0;
+};
+
+// Connects to HOST:PORT within timeout, opens a data stream (magic, HELLO) and returns it.
+std::unique_ptr<FrameConn> connect_data(const std::string & address, const dgr::v1::DataHello & hello,
+                                        int keepalive_ms, uint64_t max_payload, std::chrono::milliseconds timeout,
+                                        std::string * error);
+
+// The heartbeat thread of the process: every registered stream gets beat() every quarter of its
+// keepalive. Streams are held weakly; the thread starts with the first one.
+void keep_alive(const std::shared_ptr<FrameConn> & conn);
+
+// The worker's port (plaintext): accepts connections, passes gRPC ones to the server and data
+// streams to on_data (on a thread of their own, as gRPC's sync server gives each call one).
+class Listener {
+public:
+    using OnData = std::function<void(std::shared_ptr<FrameConn>)>;
+    // binds HOST:PORT ([V6]:PORT; port 0 picks one); throws std::invalid_argument when it cannot
+    Listener(const std::string & address, int keepalive_ms, uint64_t max_payload);
+    ~Listener();  // stop()
+    int port() const { return port_; }
+    void start(grpc::Server * server, OnData on_data);
+    // no more connections; data streams in flight may finish within `grace`, then are cut
+    void stop(std::chrono::milliseconds grace);
+
+private:
+    void accept_loop();
+    void classify(int fd);
+
+    int fd_ = -1, port_ = 0;
+    const int keepalive_ms_;
+    const uint64_t max_payload_;
+    grpc::Server * server_ = nullptr;
+    OnData on_data_;
+    std::thread acceptor_;
+    std::atomic<bool> stopping_{false};
+    std::mutex mutex_;
+    std::condition_variable idle_cv_;
+    int live_ = 0;  // threads classifying or serving a connection
+    std::vector<std::weak_ptr<FrameConn>> streams_;
+};
+
+}  // namespace dgr::worker
