@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -252,7 +253,10 @@ public:
         std::lock_guard<std::mutex> lock(mutex_);
         interval_ms_ = std::min(interval_ms_, std::max(50, conn->keepalive_ms() / 4));
         conns_.push_back(conn);
-        if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+        if (!thread_.joinable()) {
+            thread_ = std::thread([this] { run(); });
+            pthread_setname_np(thread_.native_handle(), "dgr-heartbeat");  // one per process, for good
+        }
     }
 
 private:
@@ -326,6 +330,7 @@ void Listener::start(grpc::Server * server, OnData on_data) {
     server_ = server;
     on_data_ = std::move(on_data);
     acceptor_ = std::thread([this] { accept_loop(); });
+    pthread_setname_np(acceptor_.native_handle(), "dgr-accept");
 }
 
 void Listener::accept_loop() {
