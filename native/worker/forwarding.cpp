@@ -129,13 +129,15 @@ DataLink::DataLink(Peers & peers, const std::string & address, dgr::v1::DataStre
     reader_ = std::thread([this, hello] { run(hello); });
 }
 
+bool DataLink::first_report() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const bool first = !reported_ && !closing_;
+    reported_ = true;
+    return first;
+}
+
 void DataLink::report(const grpc::Status & status) {
-    {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (reported_ || closing_) return;
-        reported_ = true;
-    }
-    on_error_(stage_error(stage_, address_, status));
+    if (first_report()) on_error_(stage_error(stage_, address_, status));
 }
 
 void DataLink::run(dgr::v1::DataHello hello) {
@@ -177,14 +179,8 @@ void DataLink::run(dgr::v1::DataHello hello) {
             break;
         }
         dgr::v1::ForwardReply reply;
-        if (kind == dgr::v1::DATA_FRAME_REPLY && reply.ParseFromString(payload) && reply.has_error()) {
-            bool first = false;
-            {
-                std::lock_guard<std::mutex> lock(mutex_);
-                first = !reported_ && !closing_;
-                reported_ = true;
-            }
-            if (first) on_error_(reply.error());  // not under our lock: it takes locks of its own
+        if (kind == dgr::v1::DATA_FRAME_REPLY && reply.ParseFromString(payload) && reply.has_error() && first_report()) {
+            on_error_(reply.error());  // not under our lock: it takes locks of its own
         }
     }
     {

@@ -139,6 +139,7 @@ public:
 private:
     bool send(dgr::v1::DataFrame kind, const google::protobuf::MessageLite & message);
     void run(dgr::v1::DataHello hello);
+    bool first_report();  // true once, unless the link is closing: the one failure on_error hears
     void report(const grpc::Status & status);
 
     const PeerOptions options_;

@@ -64,11 +64,15 @@ dgr::v1::ForwardReply error_reply(uint64_t session, uint64_t epoch, const dgr::v
     return r;
 }
 
-// compared in time independent of where they differ
-bool same_secret(const std::string & got, const std::string & want) {
+// a credential a caller presented (or not) against the one this worker needs: the gRPC
+// authorization header, or a data stream's HELLO token; compared in time independent of where
+// they differ
+Status credential(bool present, const std::string & got, const std::string & want) {
+    if (!present) return Status(StatusCode::UNAUTHENTICATED, "missing authorization: this worker needs a bearer token");
     unsigned char diff = got.size() == want.size() ? 0 : 1;
     for (size_t i = 0; i < got.size() && i < want.size(); ++i) diff |= (unsigned char) (got[i] ^ want[i]);
-    return diff == 0;
+    if (diff != 0) return Status(StatusCode::UNAUTHENTICATED, "wrong bearer token");
+    return Status::OK;
 }
 
 Status one_session(const dgr::v1::ForwardRequest & req, uint64_t session, uint64_t epoch) {
@@ -182,23 +186,16 @@ Status ShardService::authorize(grpc::ServerContext * ctx) const {
     if (options_.token.empty()) return Status::OK;
     const auto & md = ctx->client_metadata();
     auto it = md.find("authorization");
-    if (it == md.end()) {
-        metrics_.error(StatusCode::UNAUTHENTICATED);
-        return Status(StatusCode::UNAUTHENTICATED, "missing authorization: this worker needs a bearer token");
-    }
-    const std::string got(it->second.data(), it->second.size());
-    if (!same_secret(got, "Bearer " + options_.token)) {
-        metrics_.error(StatusCode::UNAUTHENTICATED);
-        return Status(StatusCode::UNAUTHENTICATED, "wrong bearer token");
-    }
-    return Status::OK;
+    const bool present = it != md.end();
+    Status st = credential(present, present ? std::string(it->second.data(), it->second.size()) : std::string(),
+                           "Bearer " + options_.token);
+    if (!st.ok()) metrics_.error(st.error_code());
+    return st;
 }
 
 Status ShardService::check_token(const std::string & token) const {
     if (options_.token.empty()) return Status::OK;
-    if (token.empty()) return Status(StatusCode::UNAUTHENTICATED, "missing authorization: this worker needs a bearer token");
-    if (!same_secret(token, options_.token)) return Status(StatusCode::UNAUTHENTICATED, "wrong bearer token");
-    return Status::OK;
+    return credential(!token.empty(), token, options_.token);
 }
 
 Status ShardService::Describe(grpc::ServerContext * ctx, const dgr::v1::DescribeRequest *, dgr::v1::DescribeReply * reply) {

@@ -15,7 +15,7 @@ import pytest
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
 from dgr_bench.netsim import LinkProcess, start_link
-from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
+from dgr_cli.workers import WorkerProcess, start_stages
 from dgr_route.route import Route, RouteError
 from dgr_wire.codec import FNV_OFFSET
 
@@ -28,19 +28,9 @@ LAYOUT = [(0, 10), (10, 20), (20, 30)]
 
 @pytest.fixture()
 def chain(smollm2: Path) -> Iterator[tuple[list[WorkerProcess], list[LinkProcess]]]:
-    descriptor = descriptor_args(smollm2)
-    workers = [
-        start_worker(
-            smollm2,
-            a,
-            b,
-            descriptor=descriptor,
-            threads=1,
-            n_ctx=4096,
-            extra=["--keepalive-ms", str(KEEPALIVE_MS)],
-        )
-        for a, b in LAYOUT
-    ]
+    workers = start_stages(
+        smollm2, LAYOUT, threads=1, n_ctx=4096, extra=["--keepalive-ms", str(KEEPALIVE_MS)]
+    )
     links = [start_link(w.address, 0.0, control=True) for w in workers]
     yield workers, links
     for link in links:

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from dgr.v1 import shard_pb2 as pb
-from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_stages, start_worker
 from dgr_route.route import Route, RouteError
 from dgr_wire.codec import FNV_OFFSET
 
@@ -68,19 +68,13 @@ def fleet(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[l
     """A 3-stage route of workers that need a bearer token."""
     token = tmp_path_factory.mktemp("token") / "token"
     token.write_text(TOKEN + "\n")
-    descriptor = descriptor_args(smollm2)
-    workers = [
-        start_worker(
-            smollm2,
-            a,
-            b,
-            descriptor=descriptor,
-            threads=1,
-            n_ctx=512,
-            extra=["--auth-token-file", str(token), "--keepalive-ms", str(KEEPALIVE_MS)],
-        )
-        for a, b in LAYOUT
-    ]
+    workers = start_stages(
+        smollm2,
+        LAYOUT,
+        threads=1,
+        n_ctx=512,
+        extra=["--auth-token-file", str(token), "--keepalive-ms", str(KEEPALIVE_MS)],
+    )
     yield workers
     for w in workers:
         w.stop()
@@ -167,15 +161,9 @@ def test_the_worker_serves_on_and_the_route_generates(fleet: list[WorkerProcess]
 
 
 def test_data_and_grpc_links_give_the_same_tokens(smollm2: Path) -> None:
-    descriptor = descriptor_args(smollm2)
     out = {}
     for links in ("data", "grpc"):
-        workers = [
-            start_worker(
-                smollm2, a, b, descriptor=descriptor, threads=1, n_ctx=512, extra=["--links", links]
-            )
-            for a, b in LAYOUT
-        ]
+        workers = start_stages(smollm2, LAYOUT, threads=1, n_ctx=512, extra=["--links", links])
         try:
             route = Route.open([w.address for w in workers], timeout=30)
             out[links] = list(route.generate(list(range(1000, 1100)), 24))

@@ -7,8 +7,10 @@ import select
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dgr_wire.ranges import LayerRange
 
@@ -154,3 +156,21 @@ def start_worker(
     raise WorkerStartError(
         f"worker for layers [{first}, {last}) did not become ready (exit {proc.poll()}):\n{tail}"
     )
+
+
+def start_stages(
+    model: Path, layout: Sequence[tuple[int, int]], **options: Any
+) -> list[WorkerProcess]:
+    """A worker per (first, last) range of `layout`, in order, each with the model's descriptor
+    (computed once) and `options` as start_worker takes them; if one fails to start, the ones
+    already started are stopped before the error goes on."""
+    options.setdefault("descriptor", descriptor_args(model))
+    started: list[WorkerProcess] = []
+    try:
+        for first, last in layout:
+            started.append(start_worker(model, first, last, **options))
+    except BaseException:
+        for w in started:
+            w.stop()
+        raise
+    return started
