@@ -1,18 +1,45 @@
 #include "batcher.h"
 
+#include <algorithm>
 #include <chrono>
+#include <map>
+#include <random>
 #include <vector>
 
 namespace dgr::worker {
 
-Batcher::Batcher(dgr::ShardEngine & engine, int32_t max_batch, ComputeSlots & slots)
-    : engine_(engine), max_batch_(max_batch), slots_(slots) {}
+namespace {
 
-Batcher::Timing Batcher::run(dgr::BatchItem & item) {
-    const auto arrived = std::chrono::steady_clock::now();
-    Waiting me{&item};
+bool decode_step(const dgr::BatchItem & item) { return item.request.n_tokens == 1; }
+
+uint64_t random_base() {
+    std::random_device rd;
+    std::mt19937_64 gen(((uint64_t) rd() << 32) | rd());
+    return gen();
+}
+
+constexpr size_t kRecentCohorts = 64;
+
+}  // namespace
+
+Batcher::Batcher(dgr::ShardEngine & engine, int32_t max_batch, ComputeSlots & slots, std::chrono::microseconds gather,
+                 std::function<void(size_t)> on_turn)
+    : engine_(engine),
+      max_batch_(max_batch),
+      slots_(slots),
+      gather_(gather),
+      on_turn_(std::move(on_turn)),
+      id_base_(random_base()) {}
+
+Batcher::Timing Batcher::run(dgr::BatchItem & item, Cohort cohort, uint64_t next_key) {
+    Waiting me;
+    me.item = &item;
+    me.cohort = cohort;
+    me.next_key = next_key;
+    me.arrived = std::chrono::steady_clock::now();
     std::unique_lock<std::mutex> lock(mutex_);
     queue_.push_back(&me);
+    if (gathering_) arrival_cv_.notify_one();
     while (!me.done) {
         if (busy_) {
             done_cv_.wait(lock);
@@ -22,16 +49,46 @@ Batcher::Timing Batcher::run(dgr::BatchItem & item) {
     }
     const auto finished = std::chrono::steady_clock::now();
     using seconds = std::chrono::duration<double>;
-    return {seconds(me.started - arrived).count(), seconds(finished - me.started).count(), me.alone};
+    return {seconds(me.started - me.arrived).count(), seconds(finished - me.started).count(), me.alone, me.out,
+            me.gathered_all};
+}
+
+bool Batcher::gather(std::unique_lock<std::mutex> & lock) {
+    const Waiting * first = queue_.front();
+    const Cohort c = first->cohort;
+    if (gather_.count() <= 0 || c.size < 2 || !decode_step(*first->item) || max_batch_ < 2) return true;
+    // members already computed (a straggler of a cohort whose window ran out, or one wider than
+    // max_batch) are not waited for again
+    auto needed = [&] {
+        return std::min<uint32_t>(c.size - std::min(served(c.id), c.size), (uint32_t) max_batch_);
+    };
+    auto members = [&] {
+        uint32_t n = 0;
+        for (const Waiting * w : queue_) n += w->cohort.id == c.id ? 1 : 0;
+        return n;
+    };
+    const auto deadline = first->arrived + gather_;
+    gathering_ = true;
+    bool complete = true;
+    while (members() < needed()) {
+        if (arrival_cv_.wait_until(lock, deadline) == std::cv_status::timeout && members() < needed()) {
+            complete = false;
+            break;
+        }
+    }
+    gathering_ = false;
+    return complete;
 }
 
 void Batcher::take_turn(std::unique_lock<std::mutex> & lock) {
+    busy_ = true;  // nobody else takes a turn while this one gathers
+    const bool complete = gather(lock);
     // the oldest request, and the decode steps waiting behind it when it is one too
     std::vector<Waiting *> group{queue_.front()};
     queue_.pop_front();
-    if (group[0]->item->request.n_tokens == 1) {
+    if (decode_step(*group[0]->item)) {
         for (auto it = queue_.begin(); it != queue_.end() && (int32_t) group.size() < max_batch_;) {
-            if ((*it)->item->request.n_tokens == 1) {
+            if (decode_step(*(*it)->item)) {
                 group.push_back(*it);
                 it = queue_.erase(it);
             } else {
@@ -39,9 +96,19 @@ void Batcher::take_turn(std::unique_lock<std::mutex> & lock) {
             }
         }
     }
-    busy_ = true;
     const auto started = std::chrono::steady_clock::now();
-    for (Waiting * w : group) w->started = started;
+    // the cohorts leaving: this decode's steps counted by where they go next
+    const uint64_t id = id_base_ + ++turns_;
+    std::map<uint64_t, uint32_t> bound;
+    if (group.size() > 1) {
+        for (Waiting * w : group) ++bound[w->next_key];
+    }
+    for (Waiting * w : group) {
+        if (w->cohort.size > 1) serve(w->cohort.id);
+        w->started = started;
+        w->gathered_all = complete;
+        if (group.size() > 1 && bound[w->next_key] > 1) w->out = Cohort{id, bound[w->next_key]};
+    }
     lock.unlock();
     std::vector<dgr::BatchItem> batch(group.size());
     for (size_t i = 0; i < group.size(); ++i) {
@@ -67,9 +134,34 @@ void Batcher::take_turn(std::unique_lock<std::mutex> & lock) {
         group[i]->done = true;
     }
     widest_ = std::max(widest_, group.size());
+    if (on_turn_) on_turn_(group.size());
     busy_ = false;
     // the callers served, and those still queued: one of them takes the next turn
     done_cv_.notify_all();
+}
+
+void Batcher::serve(uint64_t id) {
+    auto it = std::find_if(served_.begin(), served_.end(), [&](const auto & s) { return s.first == id; });
+    if (it != served_.end()) {
+        ++it->second;
+        return;
+    }
+    served_.emplace_back(id, 1);
+    if (served_.size() > kRecentCohorts) served_.pop_front();
+}
+
+uint32_t Batcher::served(uint64_t id) const {
+    for (const auto & [cohort, n] : served_) {
+        if (cohort == id) return n;
+    }
+    return 0;
+}
+
+void Batcher::forgo(Cohort cohort) {
+    if (cohort.size < 2) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    serve(cohort.id);
+    if (gathering_) arrival_cv_.notify_one();
 }
 
 size_t Batcher::widest() const {

@@ -107,6 +107,7 @@ void parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--max-message-bytes") a.service.max_message_bytes = (uint64_t) to_int(k, val(), 1024, INT32_MAX / 2);
         else if (k == "--max-queue") a.service.max_queue = to_int(k, val(), 0, 1 << 20);
         else if (k == "--max-batch") a.service.max_batch = to_int(k, val(), 1, 4096);
+        else if (k == "--gather-us") a.service.gather_us = to_int(k, val(), 0, 1000 * 1000);
         else if (k == "--keepalive-ms") a.keepalive_ms = to_int(k, val(), 200, 3600 * 1000);
         else if (k == "--model-fingerprint") a.service.fingerprint = val();
         else if (k == "--recipe-id") a.service.recipe = recipe_id(val());
@@ -221,7 +222,7 @@ int main(int argc, char ** argv) {
     } catch (const std::exception & e) {
         std::cerr << "dgr-shard-worker: " << e.what() << "\n"
                   << "usage: dgr-shard-worker --model PATH --layers FIRST:LAST [--listen HOST:PORT] [--threads N]\n"
-                     "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--max-batch N]\n"
+                     "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--max-batch N] [--gather-us N]\n"
                      "  [--model-fingerprint HEX] [--recipe-id ID] [--drain-seconds N] [--version]\n"
                      "  [--poll 0-100] [--prio auto|0-3] [--rollback 0-64] [--gpu-layers N|-1] [--no-warmup] [--compute-slots DIR|auto|none] [--mtp] [--auth-token-file F]\n"
                      "  [--metrics-listen HOST:PORT] [--links data|grpc]\n"

@@ -115,6 +115,11 @@ Metrics::Metrics(LiveState live)
                         .Help("Forwards computed without a compute slot (every one held past the wait), at normal priority")
                         .Register(*registry_)
                         .Add({})),
+      cohort_incomplete_(prometheus::BuildCounter()
+                             .Name("dgr:cohort_gather_timeouts_total")
+                             .Help("Decode steps computed when the gather window ran out before the rest of their cohort arrived")
+                             .Register(*registry_)
+                             .Add({})),
       errors_(prometheus::BuildCounter()
                   .Name("dgr:request_errors_total")
                   .Help("Requests refused or failed, by gRPC status code")
@@ -148,7 +153,12 @@ Metrics::Metrics(LiveState live)
                       .Name("dgr:request_queue_time_seconds")
                       .Help("Time a forward waited for its turn on the engine")
                       .Register(*registry_)
-                      .Add({}, kSeconds)) {
+                      .Add({}, kSeconds)),
+      batch_width_(prometheus::BuildHistogram()
+                       .Name("dgr:batch_width")
+                       .Help("Forwards computed in each llama_decode of this stage (sessions' decode steps batched)")
+                       .Register(*registry_)
+                       .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 3, 4, 6, 8, 12, 16, 32, 64})) {
     prometheus::BuildGauge()
         .Name("dgr:max_sessions")
         .Help("Session slots this stage serves")
@@ -175,6 +185,8 @@ void Metrics::forward(size_t n_tokens, bool decode, double queue_seconds, double
     queue_time_.Observe(queue_seconds);
     forward_latency_.Observe(compute_seconds);
 }
+
+void Metrics::turn(size_t width) { batch_width_.Observe((double) width); }
 
 void Metrics::error(grpc::StatusCode code) { errors_.Add({{"code", code_name(code)}}).Increment(); }
 

@@ -42,6 +42,10 @@ public:
     // one forward computed: its tokens (a prefill chunk, or one decode step), the time it waited
     // for its turn on the engine, the time its turn took, and whether it held a compute slot
     void forward(size_t n_tokens, bool decode, double queue_seconds, double compute_seconds, bool alone);
+    // one llama_decode of `width` forwards
+    void turn(size_t width);
+    // a decode step computed without the rest of its cohort (the gather window ran out)
+    void cohort_incomplete() { cohort_incomplete_.Increment(); }
     // a request refused or failed with `code`
     void error(grpc::StatusCode code);
 
@@ -61,6 +65,7 @@ private:
     prometheus::Counter & generation_tokens_;
     prometheus::Counter & forwards_;
     prometheus::Counter & without_slot_;
+    prometheus::Counter & cohort_incomplete_;
     prometheus::Family<prometheus::Counter> & errors_;
     prometheus::Gauge & sessions_;
     prometheus::Gauge & waiting_;
@@ -68,6 +73,7 @@ private:
     prometheus::Gauge & resident_;
     prometheus::Histogram & forward_latency_;
     prometheus::Histogram & queue_time_;
+    prometheus::Histogram & batch_width_;
     std::mutex scrape_;  // one scrape refreshes and serializes at a time
     std::unique_ptr<CivetServer> server_;
     struct Handler;

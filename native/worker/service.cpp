@@ -45,6 +45,7 @@ dgr::v1::ForwardRequest next_request(const dgr::v1::ForwardRequest & req, dgr::v
     *next.mutable_expect() = req.expect();
     *next.mutable_token_ids() = req.token_ids();
     next.mutable_boundary()->Swap(reply->mutable_boundary());
+    if (reply->has_cohort()) next.mutable_cohort()->Swap(reply->mutable_cohort());
     next.set_chunk_index(req.chunk_index());
     next.set_last_chunk(req.last_chunk());
     next.set_n_draft(req.n_draft());
@@ -173,7 +174,8 @@ ShardService::ShardService(std::unique_ptr<dgr::ShardEngine> engine, ServiceOpti
       desc_(engine_->describe()),
       peers_(std::move(peers)),
       slots_(options_.compute_slots_dir, options_.compute_slots),
-      batcher_(*engine_, std::min(options_.max_batch, desc_.n_batch), slots_),
+      batcher_(*engine_, std::min(options_.max_batch, desc_.n_batch), slots_, std::chrono::microseconds(options_.gather_us),
+               [this](size_t width) { metrics_.turn(width); }),
       metrics_(LiveState{[this] { return engine_->session_count(); },
                          [this] { return (size_t) std::max(0, in_flight_.load()); },
                          [this] { return engine_->kv_tokens(); }, (size_t) desc_.max_sessions,
@@ -279,7 +281,16 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
     dgr::BatchItem item;
     item.request = fr;
     item.out_dtype = desc_.is_tail ? dgr::DType::f32 : d.out_dtype;
-    const Batcher::Timing timing = batcher_.run(item);
+    // forward mode: where this stage's output goes (the next stage, or from the tail the head),
+    // so that the steps computed together and bound for the same stage leave as one cohort
+    uint64_t next_key = 0;
+    if (req.has_route()) {
+        const auto & stages = req.route().stages();
+        const uint64_t next = desc_.is_tail ? 0 : (uint64_t) req.route().stage_index() + 1;
+        if (next < (uint64_t) stages.size()) next_key = std::hash<std::string>{}(stages[(int) next]);
+    }
+    const Batcher::Timing timing = batcher_.run(item, Cohort{req.cohort().id(), req.cohort().size()}, next_key);
+    if (!timing.gathered_all) metrics_.cohort_incomplete();
     if (!item.error) metrics_.forward((size_t) fr.n_tokens, fr.n_tokens == 1 && fr.n_past > 0, timing.queue_seconds, timing.compute_seconds, timing.alone);
     try {
         if (item.error) std::rethrow_exception(item.error);
@@ -293,6 +304,10 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
     reply->set_n_past((uint32_t) res.n_past);
     reply->set_prefix_hash(res.prefix_hash);
     reply->set_epoch(fr.epoch);
+    if (req.has_route() && timing.cohort.size > 1) {
+        reply->mutable_cohort()->set_id(timing.cohort.id);
+        reply->mutable_cohort()->set_size(timing.cohort.size);
+    }
     if (res.is_logits) {
         verify(req, res, reply);
     } else {
@@ -540,14 +555,21 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                 }
                 const uint32_t n_past = ev.reply.n_past();
                 const uint64_t hash = ev.reply.prefix_hash();
+                // the next step gathers with the sessions sampled beside this token (not the
+                // coordinator's business)
+                dgr::v1::Cohort cohort;
+                cohort.Swap(ev.reply.mutable_cohort());
+                ev.reply.clear_cohort();
                 if (out.add(std::move(ev.reply), last) && !stream->Write(out.take())) {
                     result = Status(StatusCode::CANCELLED, "the coordinator went away");
                     done = true;
+                    batcher_.forgo(Cohort{cohort.id(), cohort.size()});
                     break;
                 }
                 if (last) {
                     generating = false;  // nothing past the last token: wait for the coordinator to close
                     finished = true;
+                    batcher_.forgo(Cohort{cohort.id(), cohort.size()});  // its cohort-mates go on without it
                     break;
                 }
                 step.clear_token_ids();
@@ -562,6 +584,11 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                     in_flight_drafts = step.token_ids_size() - 1;
                 }
                 step.set_n_draft((uint32_t) in_flight_drafts);
+                if (cohort.size() > 1) {
+                    step.mutable_cohort()->Swap(&cohort);
+                } else {
+                    step.clear_cohort();
+                }
                 step.mutable_expect()->set_n_past(n_past);
                 step.mutable_expect()->set_prefix_hash(hash);
                 step_sent = std::chrono::steady_clock::now();

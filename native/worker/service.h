@@ -35,6 +35,7 @@ struct ServiceOptions {
     uint64_t max_message_bytes = 64ull << 20;
     int max_queue = 16;  // forwards that may wait behind the one computing; more are refused
     int max_batch = 16;  // sessions' decode steps computed in one llama_decode (1: FIFO turns)
+    int gather_us = 5000;  // how long a decode step that arrived in a cohort waits for the rest (batcher.h)
     std::string compute_slots_dir;  // shared by the host's workers (empty: no slots)
     int compute_slots = 1;
 };

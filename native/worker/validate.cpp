@@ -120,6 +120,15 @@ Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Descriptio
     if (req.has_route()) {
         if (Status st = validate_route(req.route(), desc); !st.ok()) return st;
     }
+    if (req.has_cohort()) {
+        const auto & c = req.cohort();
+        if (!req.has_route()) return invalid("cohort: a forward-mode field, on a request without route");
+        if (c.id() == 0) return invalid("cohort.id: 0 names no cohort");
+        if (c.size() < 2 || c.size() > (uint32_t) desc.max_sessions) {
+            return invalid("cohort.size: " + std::to_string(c.size()) + " outside [2, " + std::to_string(desc.max_sessions) +
+                           "] (this stage's max_sessions)");
+        }
+    }
     if (n_tok_ids > desc.n_batch) {
         return invalid("token_ids: " + std::to_string(n_tok_ids) + " ids, at most " + std::to_string(desc.n_batch) +
                        " per message");

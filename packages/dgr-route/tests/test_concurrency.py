@@ -5,12 +5,13 @@ keeps serving after refusing."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
+from dgr_cli.workers import WorkerProcess, descriptor_args, start_stages, start_worker
 from dgr_route.route import Route, RouteError
 
 LAYOUT = [(0, 10), (10, 20), (20, 30)]
@@ -161,3 +162,80 @@ def test_batched_sessions_equal_their_solo_logits(
             worst, max(float(np.max(np.abs(x - y))) for (_, x), (_, y) in zip(a, b, strict=True))
         )
     assert worst == 0.0
+
+
+def test_a_convoy_of_sessions_stays_one_batch_around_the_ring(
+    engine_module: object, smollm2: Path, descriptor: list[str]
+) -> None:
+    """Forward mode: the decode steps a stage computes together reach the next stage one by one,
+    each on its own session's stream, as a cohort; the next stage waits for the whole cohort
+    (its gather window, generous here) instead of computing the first arrival alone. So no stage
+    computes more llama_decodes than the stage before it, greedy output equals each session's solo
+    run, and a session that ends (shorter max_tokens) lets its cohort-mates go on at once: no
+    gather ever runs out its window."""
+    import json
+    import urllib.request
+
+    from dgr_route.tokenizer import Tokenizer
+
+    workers = start_stages(
+        smollm2,
+        LAYOUT,
+        n_ctx=512,
+        max_sessions=4,
+        extra=["--gather-us", "200000", "--metrics-listen", "127.0.0.1:0"],
+    )
+
+    def metrics(w: WorkerProcess) -> dict[str, object]:
+        assert w.metrics_url is not None
+        with urllib.request.urlopen(w.metrics_url + "/metrics.json", timeout=10) as r:
+            data: dict[str, object] = json.load(r)
+        return data
+
+    try:
+        tokenizer = Tokenizer(smollm2)
+        prompts = [tokenizer.encode(p) for p in PROMPTS]
+        lengths = [12, 16, 20, 24]
+        route = Route.open([w.address for w in workers], timeout=60)
+        alone = [list(route.generate(p, n)) for p, n in zip(prompts, lengths, strict=True)]
+        before = [metrics(w) for w in workers]
+        together: list[list[int]] = [[] for _ in prompts]
+        start = threading.Barrier(len(prompts))
+
+        def run(i: int) -> None:
+            start.wait()
+            together[i] = list(route.generate(prompts[i], lengths[i]))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        elapsed = time.monotonic() - t0
+        route.close()
+        after = [metrics(w) for w in workers]
+    finally:
+        for w in workers:
+            w.stop()
+    assert together == alone
+    turns = [
+        int(a["dgr:batch_width"]["count"]) - int(b["dgr:batch_width"]["count"])  # type: ignore[index]
+        for a, b in zip(after, before, strict=True)
+    ]
+    widths = [
+        (float(a["dgr:batch_width"]["sum"]) - float(b["dgr:batch_width"]["sum"]))  # type: ignore[index]
+        for a, b in zip(after, before, strict=True)
+    ]
+    assert widths == [float(sum(lengths))] * 3, widths
+    # every forward of the 4 sessions at each stage (prefills and decode steps), and the
+    # llama_decodes they took: computing each cohort's first arrival alone (no gathering) splits
+    # the convoy at every stage (50-56 turns for 72 forwards measured); kept together, the
+    # stages after the head average at least 2 sessions per llama_decode (31-32 measured)
+    assert turns[1] <= turns[0] and turns[2] <= turns[1], f"a cohort split: turns per stage {turns}"
+    assert all(2 * t <= w for t, w in zip(turns[1:], widths[1:], strict=True)), (
+        f"the convoy split: {turns} turns per stage for {widths} forwards"
+    )
+    timeouts = [a["dgr:cohort_gather_timeouts_total"] for a in after]
+    assert timeouts == [0, 0, 0], f"a gather ran out its window: {timeouts}"
+    assert elapsed < 60

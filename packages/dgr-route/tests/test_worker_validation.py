@@ -298,3 +298,32 @@ def test_the_head_coalesces_the_tokens_it_streams(fleet: dict[str, WorkerProcess
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_interval_ms" in (
         err.details() or ""
     )
+
+
+def test_a_cohort_is_checked(fleet: dict[str, WorkerProcess]) -> None:
+    """Cohort (forward mode, a decode step's batch-mates at the stage before) is validated like
+    every other field: no id 0, a size in [2, max_sessions], never on a relay-mode request."""
+    whole = fleet["whole"]  # max_sessions 2
+    relayed = tokens_request(513, [1, 2, 3])
+    relayed.cohort.id, relayed.cohort.size = 9, 2
+    err = refusal(whole, relayed)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cohort: a forward-mode field" in (err.details() or "")
+    bad = ((0, 2, "cohort.id"), (9, 1, "cohort.size"), (9, 3, "cohort.size"))
+    for cohort_id, size, words in bad:
+        request = tokens_request(514, [1, 2, 3])
+        request.route.CopyFrom(pb.RouteSpec(stages=[whole.address], stage_index=0))
+        request.last_chunk, request.max_tokens = True, 2
+        request.cohort.id, request.cohort.size = cohort_id, size
+        # forward mode: the head's failure is the stream's last reply, naming the stage
+        replies: list[pb.ForwardReply] = []
+        with pytest.raises(grpc.RpcError):
+            replies.extend(stub(whole).Forward(iter([request]), timeout=30))
+        error = replies[-1].error
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and words in error.message, (
+            cohort_id,
+            size,
+            error,
+        )
+    assert "outside [2, 2]" in error.message
+    assert health(whole).sessions == 0 and health(whole).queue_depth == 0

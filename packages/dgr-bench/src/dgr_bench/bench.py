@@ -56,7 +56,10 @@ THREE_RT = "DGR forward 3 stages, --prio auto"
 # routes use): the data plane's gain, measured beside it
 THREE_GRPC = "DGR forward 3 stages, --links grpc"
 RPC2 = "llama.cpp RPC (2 servers)"
+BATCHED_BENCH = "llama-batched-bench"
 PAIRED_ROUNDS = 7
+# concurrent sessions: FIFO turns, batched, and llama.cpp's own batched decode, interleaved
+BATCH_ROUNDS = 3
 
 
 def llama_bench(
@@ -97,6 +100,41 @@ def llama_bench(
         elif row["n_gen"] > 0 and depth == PROMPT_TOKENS:
             result["decode"] = float(row["avg_ts"])
     return result
+
+
+def batched_bench(binary: Path, model: Path, threads: int) -> dict[int, float]:
+    """llama.cpp's own batched decode in one process (llama-batched-bench): decode tok/s of 1 and
+    4 sequences together, each after a 32-token prompt, as concurrent_decode runs them. Its
+    4-over-1 ratio is what batching can gain on this machine at all."""
+    out = subprocess.run(
+        [
+            str(binary),
+            "-m",
+            str(model),
+            "-t",
+            str(threads),
+            "-c",
+            str(4 * 1024),
+            "-b",
+            "512",
+            "-ub",
+            "512",
+            "-npp",
+            "32",
+            "-ntg",
+            str(DECODE_TOKENS),
+            "-npl",
+            "1,4",
+            "--output-format",
+            "jsonl",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
+    )
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {int(r["pl"]): float(r["speed_tg"]) for r in rows}
 
 
 def rpc_servers(
@@ -404,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = model_path(args.model)
     ws = open_workspace()
-    plain = build(ws, "cpu", ["llama-bench"], log=sys.stderr)
+    plain = build(ws, "cpu", ["llama-bench", "llama-batched-bench"], log=sys.stderr)
     with_rpc = build(ws, "cpu-rpc", ["llama-bench", "ggml-rpc-server"], log=sys.stderr)
     descriptor = descriptor_args(model)
     meta = open_model(model)
@@ -422,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds = paired(model, n_layer, descriptor, args.paired_rounds, threads, plain, with_rpc)
         interleaved = paired_ratios(rounds)
         rows = measure(
-            model, n_layer, descriptor, args.rounds, threads, with_rpc, interleaved["rows"]
+            model, n_layer, descriptor, args.rounds, threads, with_rpc, plain, interleaved["rows"]
         )
         summary = summarize(rows, threads, n_embd)
         summary["paired"] = interleaved
@@ -442,6 +480,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def concurrent(
+    model: Path, n_layer: int, descriptor: list[str], threads: int, plain: Path
+) -> dict[str, dict[str, float]]:
+    """Rows for 1, 2 and 4 concurrent sessions on a 3-stage forward route, FIFO turns against
+    batched, and llama-batched-bench's 1 and 4 sequences in one process: BATCH_ROUNDS
+    interleaved rounds (one run each swings 0.75-2.1x here), medians."""
+    runs: dict[str, list[float]] = {}
+    for _ in range(BATCH_ROUNDS):
+        for max_batch, name in ((1, "FIFO turns"), (16, "batched")):
+            rates = concurrent_decode(model, n_layer, descriptor, threads, max_batch)
+            for n, rate in rates.items():
+                runs.setdefault(f"DGR forward 3 stages, {n}, {name}", []).append(rate)
+        for seqs, rate in batched_bench(plain / "llama-batched-bench", model, threads).items():
+            name = f"{BATCHED_BENCH}, {seqs} sequence{'s' if seqs > 1 else ''}"
+            runs.setdefault(name, []).append(rate)
+    return {k: {"prefill": 0.0, "decode": statistics.median(v)} for k, v in runs.items()}
+
+
 def measure(
     model: Path,
     n_layer: int,
@@ -449,6 +505,7 @@ def measure(
     rounds: int,
     threads: int,
     with_rpc: Path,
+    plain: Path,
     references: dict[str, dict[str, float]],
 ) -> dict[str, dict[str, float]]:
     """Every setup's row. The references (llama-bench, the engine, RPC with 2 servers) are the
@@ -457,11 +514,7 @@ def measure(
     for n in STAGES:
         for mode, row in dgr_route(model, n, n_layer, descriptor, rounds, threads).items():
             rows[f"DGR {mode} {n} stage{'s' if n > 1 else ''}"] = row
-    for max_batch, name in ((1, "FIFO turns"), (16, "batched")):
-        for sessions, rate in concurrent_decode(
-            model, n_layer, descriptor, threads, max_batch
-        ).items():
-            rows[f"DGR forward 3 stages, {sessions}, {name}"] = {"prefill": 0.0, "decode": rate}
+    rows.update(concurrent(model, n_layer, descriptor, threads, plain))
     rows[RPC2] = references[RPC2]
     for count in RPC_SERVERS:
         if f"llama.cpp RPC ({count} servers)" in rows:
@@ -500,6 +553,14 @@ def summarize(rows: dict[str, dict[str, float]], threads: int, n_embd: int) -> d
         / rows["DGR relay 3 stages"]["decode"],
         "batched_4sessions_over_fifo": rows["DGR forward 3 stages, 4 sessions, batched"]["decode"]
         / rows["DGR forward 3 stages, 4 sessions, FIFO turns"]["decode"],
+        # what batching gains in one process with llama.cpp's own batched decode (no route, no
+        # FIFO baseline): the ceiling of the DGR ratio above on this machine
+        "upstream_batched_4_over_1": rows[f"{BATCHED_BENCH}, 4 sequences"]["decode"]
+        / rows[f"{BATCHED_BENCH}, 1 sequence"]["decode"],
+        "batched_4sessions_over_1session": rows["DGR forward 3 stages, 4 sessions, batched"][
+            "decode"
+        ]
+        / rows["DGR forward 3 stages, 1 sessions, batched"]["decode"],
     }
     print(f"\n{threads} thread(s) per process")
     print(

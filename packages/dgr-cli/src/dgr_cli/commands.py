@@ -90,6 +90,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             if value
             for arg in (flag, str(value))
         ],
+        *(["--gather-us", str(args.gather_us)] if args.gather_us is not None else []),
         # 0 is a value here (the worker's default off the CPU lane is all layers)
         *(["--gpu-layers", str(args.gpu_layers)] if args.gpu_layers is not None else []),
         *(["--mtp"] if args.mtp else []),
@@ -266,6 +267,14 @@ def register_worker(sub: Any) -> None:
         type=int,
         default=16,
         help="sessions' decode steps computed together in one llama_decode (1: FIFO turns)",
+    )
+    p.add_argument(
+        "--gather-us",
+        type=int,
+        default=None,
+        metavar="US",
+        help="forward mode: how long a decode step that arrives with batch-mates from the stage "
+        "before waits for the rest of them (default: the worker's own; 0: never waits)",
     )
     p.add_argument(
         "--mtp", action="store_true", help="serve the MTP block (reserved: refused in alpha)"
