@@ -39,8 +39,8 @@ struct Cohort {
 class Batcher {
 public:
     // each llama_decode holds one of the host's compute slots (slots.h); a step arriving in a
-    // cohort waits at most `gather` for the rest of it
-    // waits (0: never waits); `on_turn` hears each llama_decode's width
+    // cohort waits at most `gather` for the rest of it (0: never waits); `on_turn` hears each
+    // llama_decode's width
     Batcher(dgr::ShardEngine & engine, int32_t max_batch, ComputeSlots & slots, std::chrono::microseconds gather,
             std::function<void(size_t)> on_turn = {});
     Batcher(const Batcher &) = delete;
