@@ -31,11 +31,12 @@ Batcher::Batcher(dgr::ShardEngine & engine, int32_t max_batch, ComputeSlots & sl
       on_turn_(std::move(on_turn)),
       id_base_(random_base()) {}
 
-Batcher::Timing Batcher::run(dgr::BatchItem & item, Cohort cohort, uint64_t next_key) {
+Batcher::Timing Batcher::run(dgr::BatchItem & item, Cohort cohort, uint64_t next_key, uint32_t peers) {
     Waiting me;
     me.item = &item;
     me.cohort = cohort;
     me.next_key = next_key;
+    me.peers = peers;
     me.arrived = std::chrono::steady_clock::now();
     std::unique_lock<std::mutex> lock(mutex_);
     queue_.push_back(&me);
@@ -56,28 +57,40 @@ Batcher::Timing Batcher::run(dgr::BatchItem & item, Cohort cohort, uint64_t next
 bool Batcher::gather(std::unique_lock<std::mutex> & lock) {
     const Waiting * first = queue_.front();
     const Cohort c = first->cohort;
-    if (gather_.count() <= 0 || c.size < 2 || !decode_step(*first->item) || max_batch_ < 2) return true;
+    const bool in_cohort = c.size > 1;
+    if (gather_.count() <= 0 || max_batch_ < 2 || !decode_step(*first->item) || (!in_cohort && first->peers == 0)) {
+        return true;
+    }
     // members already computed (a straggler of a cohort whose window ran out, or one wider than
     // max_batch) are not waited for again
-    auto needed = [&] {
+    auto needed = [&]() -> uint32_t {
+        if (!in_cohort) return 1;
         return std::min<uint32_t>(c.size - std::min(served(c.id), c.size), (uint32_t) max_batch_);
     };
-    auto members = [&] {
-        uint32_t n = 0;
-        for (const Waiting * w : queue_) n += w->cohort.id == c.id ? 1 : 0;
-        return n;
+    auto ready = [&] {
+        uint32_t members = 0, steps = 0;
+        for (const Waiting * w : queue_) {
+            members += in_cohort && w->cohort.id == c.id ? 1 : 0;
+            steps += decode_step(*w->item) ? 1 : 0;
+        }
+        // the peers are sessions whose steps left the head after this one's, its own cohort's
+        // members among them: whichever of the two is larger
+        const uint32_t want = needed();
+        const uint32_t total = std::min<uint32_t>(std::max<uint32_t>(want, 1 + first->peers), (uint32_t) max_batch_);
+        return std::make_pair(!in_cohort || members >= want, steps >= total);
     };
     const auto deadline = first->arrived + gather_;
     gathering_ = true;
-    bool complete = true;
-    while (members() < needed()) {
-        if (arrival_cv_.wait_until(lock, deadline) == std::cv_status::timeout && members() < needed()) {
-            complete = false;
+    auto state = ready();
+    while (!(state.first && state.second)) {
+        if (arrival_cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+            state = ready();
             break;
         }
+        state = ready();
     }
     gathering_ = false;
-    return complete;
+    return state.first;  // the cohort complete (peers that did not come are no cohort of its)
 }
 
 void Batcher::take_turn(std::unique_lock<std::mutex> & lock) {

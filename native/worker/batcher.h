@@ -9,7 +9,8 @@
 // before its turn, for the other n - 1 (at most the gather window after it arrived), so a convoy
 // of sessions stays one llama_decode at every stage instead of splitting into the first arrival
 // and the rest. Each computed decode step leaves with its own cohort: the id of the llama_decode
-// it shared and how many of that decode's steps go to the same next stage.
+// it shared and how many of that decode's steps go to the same next stage. The head forms the
+// convoy: its decode step also waits for `peers`, sessions whose tokens follow close behind.
 //
 // No thread of its own: a caller that finds the engine idle computes on its own thread (leader),
 // taking the oldest group; the others wait, and when a turn ends one of those still waiting takes
@@ -55,7 +56,9 @@ public:
     };
     // computes `item`, with whatever waits beside it; on return item.result or item.error is set.
     // `cohort`: the one it arrived in; `next_key`: where its output goes (equal keys, same stage)
-    Timing run(dgr::BatchItem & item, Cohort cohort = {}, uint64_t next_key = 0);
+    // `peers`: decode steps of other sessions expected within the gather window (the head
+    // knows which sessions' tokens follow close behind this one's), waited for like a cohort
+    Timing run(dgr::BatchItem & item, Cohort cohort = {}, uint64_t next_key = 0, uint32_t peers = 0);
 
     // a member of `cohort` that will not come (its session generated its last token): the others
     // stop waiting for it
@@ -69,6 +72,7 @@ private:
         dgr::BatchItem * item = nullptr;
         Cohort cohort;       // arrived in
         uint64_t next_key = 0;
+        uint32_t peers = 0;
         std::chrono::steady_clock::time_point arrived{};
         bool done = false;
         bool alone = true;

@@ -99,6 +99,8 @@ struct HeadFlow {
         dgr::v1::StageError error;
     };
     uint64_t session = 0, epoch = 0;
+    // when the step whose token the flow awaits left the head (steady clock, ns; 0: none)
+    std::atomic<int64_t> sent_ns{0};
     std::function<bool(Event &)> handle;  // true: the flow is over; set before the first push
 
     void push(Event e) {
@@ -257,13 +259,13 @@ Status ShardService::CloseSession(grpc::ServerContext * ctx, const dgr::v1::Clos
 
 void ShardService::release(uint64_t session, uint64_t epoch) { engine_->release_epoch(session, epoch); }
 
-Status ShardService::compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply) {
-    Status st = compute_one(req, reply);
+Status ShardService::compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers) {
+    Status st = compute_one(req, reply, peers);
     if (!st.ok()) metrics_.error(st.error_code());
     return st;
 }
 
-Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply) {
+Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers) {
     // backpressure: a bounded queue, refused beyond it (the session's cache is untouched and the
     // client may retry); the requests admitted compute in arrival order
     InFlight admitted(in_flight_);
@@ -289,7 +291,7 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
         const uint64_t next = desc_.is_tail ? 0 : (uint64_t) req.route().stage_index() + 1;
         if (next < (uint64_t) stages.size()) next_key = std::hash<std::string>{}(stages[(int) next]);
     }
-    const Batcher::Timing timing = batcher_.run(item, Cohort{req.cohort().id(), req.cohort().size()}, next_key);
+    const Batcher::Timing timing = batcher_.run(item, Cohort{req.cohort().id(), req.cohort().size()}, next_key, peers);
     if (!timing.gathered_all) metrics_.cohort_incomplete();
     if (!item.error) metrics_.forward((size_t) fr.n_tokens, fr.n_tokens == 1 && fr.n_past > 0, timing.queue_seconds, timing.compute_seconds, timing.alone);
     try {
@@ -478,14 +480,20 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
         result = Status((StatusCode) e.code(), "stage " + std::to_string(e.stage()) + " (" + e.address() + "): " + e.message());
         done = true;
     };
-    auto process = [&](const dgr::v1::ForwardRequest & r) {
+    auto now_ns = [] {
+        return (int64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
+                   std::chrono::steady_clock::now().time_since_epoch())
+            .count();
+    };
+    auto process = [&](const dgr::v1::ForwardRequest & r, uint32_t peers = 0) {
         if (!desc_.is_tail && !down) {  // opened before the first compute: the handshake overlaps it
             down = peers_.downstream(route.stages(1), 1, [flow](const dgr::v1::StageError & e) {
                 flow->push(Event{Event::failure, {}, {}, e});
             });
         }
+        if (r.last_chunk()) flow->sent_ns.store(now_ns());  // a token will come back for it
         dgr::v1::ForwardReply reply;
-        if (Status st = compute(r, &reply); !st.ok()) return fail(stage_error(0, route.stages(0), st));
+        if (Status st = compute(r, &reply, peers); !st.ok()) return fail(stage_error(0, route.stages(0), st));
         if (desc_.is_tail) {
             if (r.last_chunk()) flow->push(Event{Event::token, {}, std::move(reply), {}});
             return;
@@ -534,6 +542,7 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                 }
                 break;
             case Event::token: {
+                const int64_t sent = flow->sent_ns.exchange(0);
                 if (!generating) break;
                 if (drafts && in_flight_drafts >= 0) {
                     drafts->observe(in_flight_drafts, (int32_t) ev.reply.accepted(),
@@ -592,7 +601,7 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                 step.mutable_expect()->set_n_past(n_past);
                 step.mutable_expect()->set_prefix_hash(hash);
                 step_sent = std::chrono::steady_clock::now();
-                process(step);
+                process(step, sent != 0 ? peers_behind(flow.get(), sent) : 0);
                 break;
             }
             case Event::failure: fail(ev.error); break;
@@ -622,6 +631,18 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
     }
     release(session, epoch);
     return result;
+}
+
+uint32_t ShardService::peers_behind(const HeadFlow * me, int64_t sent_ns) {
+    const int64_t window = (int64_t) options_.gather_us * 1000;
+    if (window <= 0) return 0;
+    uint32_t n = 0;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto & [session, f] : flows_) {
+        const int64_t s = f.get() == me ? 0 : f->sent_ns.load();
+        n += s > sent_ns && s - sent_ns <= window ? 1 : 0;
+    }
+    return n;
 }
 
 Status ShardService::Loop(grpc::ServerContext * ctx, grpc::ServerReader<dgr::v1::ForwardReply> * reader, dgr::v1::LoopReply *) {

@@ -105,7 +105,8 @@ public:
     // One request through validation, the engine and (at the tail) the sampler, into its reply:
     // what both modes run for every request that arrives. (Public for the fuzz harness, which
     // feeds it bytes as they come off the wire.)
-    grpc::Status compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply);
+    // (`peers`: see Batcher::run)
+    grpc::Status compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers = 0);
 
     // counters and histograms (served at --metrics-listen by main)
     Metrics & metrics() { return metrics_; }
@@ -117,7 +118,10 @@ public:
 
 private:
     using Stream = grpc::ServerReaderWriter<dgr::v1::ForwardReply, dgr::v1::ForwardRequest>;
-    grpc::Status compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply);
+    grpc::Status compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers);
+    // the head: sessions whose step left this head after `me`'s, at most the gather window after:
+    // their tokens come back that soon after `me`'s, and its next step waits for them
+    uint32_t peers_behind(const HeadFlow * me, int64_t sent_ns);
     // the tail: sample the last accepted token's row and every drafted one, keep the longest
     // prefix of drafts the samples agree with, and one sample more
     void verify(const dgr::v1::ForwardRequest & req, const dgr::ForwardResult & res, dgr::v1::ForwardReply * reply);

@@ -169,10 +169,11 @@ def test_a_convoy_of_sessions_stays_one_batch_around_the_ring(
 ) -> None:
     """Forward mode: the decode steps a stage computes together reach the next stage one by one,
     each on its own session's stream, as a cohort; the next stage waits for the whole cohort
-    (its gather window, generous here) instead of computing the first arrival alone. So no stage
-    computes more llama_decodes than the stage before it, greedy output equals each session's solo
-    run, and a session that ends (shorter max_tokens) lets its cohort-mates go on at once: no
-    gather ever runs out its window."""
+    (its gather window, generous here) instead of computing the first arrival alone, and the head
+    waits for the sessions whose tokens follow close behind, so sessions started together form
+    one convoy. No stage computes more llama_decodes than the stage before it, greedy output
+    equals each session's solo run, and a session that ends (shorter max_tokens) lets its
+    cohort-mates go on at once: no gather ever runs out its window."""
     import json
     import urllib.request
 
@@ -229,12 +230,14 @@ def test_a_convoy_of_sessions_stays_one_batch_around_the_ring(
     ]
     assert widths == [float(sum(lengths))] * 3, widths
     # every forward of the 4 sessions at each stage (prefills and decode steps), and the
-    # llama_decodes they took: computing each cohort's first arrival alone (no gathering) splits
-    # the convoy at every stage (50-56 turns for 72 forwards measured); kept together, the
-    # stages after the head average at least 2 sessions per llama_decode (31-32 measured)
+    # llama_decodes they took. One convoy takes a turn per prefill and one per decode step of
+    # the longest session: 4 + 23 = 27 (measured: 27 at every stage, every run). Computing each
+    # cohort's first arrival alone (no gathering) split it at every stage, 50-56 turns; keeping
+    # cohorts together without forming them at the head, 31-32
     assert turns[1] <= turns[0] and turns[2] <= turns[1], f"a cohort split: turns per stage {turns}"
-    assert all(2 * t <= w for t, w in zip(turns[1:], widths[1:], strict=True)), (
-        f"the convoy split: {turns} turns per stage for {widths} forwards"
+    one_convoy = len(prompts) + max(lengths) - 1
+    assert all(t <= one_convoy + 2 for t in turns), (
+        f"no single convoy: {turns} turns per stage for {widths} forwards ({one_convoy} if one)"
     )
     timeouts = [a["dgr:cohort_gather_timeouts_total"] for a in after]
     assert timeouts == [0, 0, 0], f"a gather ran out its window: {timeouts}"
