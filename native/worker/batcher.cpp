@@ -67,30 +67,26 @@ bool Batcher::gather(std::unique_lock<std::mutex> & lock) {
         if (!in_cohort) return 1;
         return std::min<uint32_t>(c.size - std::min(served(c.id), c.size), (uint32_t) max_batch_);
     };
-    auto ready = [&] {
-        uint32_t members = 0, steps = 0;
-        for (const Waiting * w : queue_) {
-            members += in_cohort && w->cohort.id == c.id ? 1 : 0;
-            steps += decode_step(*w->item) ? 1 : 0;
-        }
-        // the peers are sessions whose steps left the head after this one's, its own cohort's
-        // members among them: whichever of the two is larger
-        const uint32_t want = needed();
-        const uint32_t total = std::min<uint32_t>(std::max<uint32_t>(want, 1 + first->peers), (uint32_t) max_batch_);
-        return std::make_pair(!in_cohort || members >= want, steps >= total);
+    auto members = [&] {
+        uint32_t n = 0;
+        for (const Waiting * w : queue_) n += w->cohort.id == c.id ? 1 : 0;
+        return n;
     };
-    const auto deadline = first->arrived + gather_;
+    auto steps = [&] {
+        uint32_t n = 0;
+        for (const Waiting * w : queue_) n += decode_step(*w->item) ? 1 : 0;
+        return n;
+    };
+    // the peers are sessions whose steps left the head after this one's, its own cohort's
+    // members among them: whichever of the two is larger
+    auto total = [&] {
+        return std::min<uint32_t>(std::max<uint32_t>(needed(), 1 + first->peers), (uint32_t) max_batch_);
+    };
+    auto cohort_here = [&] { return !in_cohort || members() >= needed(); };
     gathering_ = true;
-    auto state = ready();
-    while (!(state.first && state.second)) {
-        if (arrival_cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
-            state = ready();
-            break;
-        }
-        state = ready();
-    }
+    arrival_cv_.wait_until(lock, first->arrived + gather_, [&] { return cohort_here() && steps() >= total(); });
     gathering_ = false;
-    return state.first;  // the cohort complete (peers that did not come are no cohort of its)
+    return cohort_here();  // the cohort complete (peers that did not come are no cohort of its)
 }
 
 void Batcher::take_turn(std::unique_lock<std::mutex> & lock) {
@@ -119,7 +115,7 @@ void Batcher::take_turn(std::unique_lock<std::mutex> & lock) {
     for (Waiting * w : group) {
         if (w->cohort.size > 1) serve(w->cohort.id);
         w->started = started;
-        w->gathered_all = complete;
+        w->gathered_all = complete || w->cohort.size < 2 || w->cohort.id != group[0]->cohort.id;
         if (group.size() > 1 && bound[w->next_key] > 1) w->out = Cohort{id, bound[w->next_key]};
     }
     lock.unlock();

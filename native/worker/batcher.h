@@ -52,7 +52,8 @@ public:
         double compute_seconds;  // its turn (the llama_decode it shared)
         bool alone;              // it held a compute slot (else: computed at normal priority)
         Cohort cohort;           // the steps computed with it that go where it goes (next_key)
-        bool gathered_all;       // false: the window ran out before its cohort was complete
+        bool gathered_all;       // false: it led the turn's cohort, whose window ran out before
+                                 // every member arrived
     };
     // computes `item`, with whatever waits beside it; on return item.result or item.error is set.
     // `cohort`: the one it arrived in; `next_key`: where its output goes (equal keys, same stage)

@@ -56,6 +56,14 @@ dgr::v1::ForwardRequest next_request(const dgr::v1::ForwardRequest & req, dgr::v
     return next;
 }
 
+// a cohort as the batcher takes it, and onto the wire (absent when it is none)
+Cohort from_wire(const dgr::v1::Cohort & c) { return Cohort{c.id(), c.size()}; }
+
+void to_wire(const Cohort & c, dgr::v1::Cohort * out) {
+    out->set_id(c.id);
+    out->set_size(c.size);
+}
+
 // the last reply of a forward-mode stream whose route failed at `e.stage`
 dgr::v1::ForwardReply error_reply(uint64_t session, uint64_t epoch, const dgr::v1::StageError & e) {
     dgr::v1::ForwardReply r;
@@ -291,7 +299,7 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
         const uint64_t next = desc_.is_tail ? 0 : (uint64_t) req.route().stage_index() + 1;
         if (next < (uint64_t) stages.size()) next_key = std::hash<std::string>{}(stages[(int) next]);
     }
-    const Batcher::Timing timing = batcher_.run(item, Cohort{req.cohort().id(), req.cohort().size()}, next_key, peers);
+    const Batcher::Timing timing = batcher_.run(item, from_wire(req.cohort()), next_key, peers);
     if (!timing.gathered_all) metrics_.cohort_incomplete();
     if (!item.error) metrics_.forward((size_t) fr.n_tokens, fr.n_tokens == 1 && fr.n_past > 0, timing.queue_seconds, timing.compute_seconds, timing.alone);
     try {
@@ -306,10 +314,7 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
     reply->set_n_past((uint32_t) res.n_past);
     reply->set_prefix_hash(res.prefix_hash);
     reply->set_epoch(fr.epoch);
-    if (req.has_route() && timing.cohort.size > 1) {
-        reply->mutable_cohort()->set_id(timing.cohort.id);
-        reply->mutable_cohort()->set_size(timing.cohort.size);
-    }
+    if (req.has_route() && timing.cohort.size > 1) to_wire(timing.cohort, reply->mutable_cohort());
     if (res.is_logits) {
         verify(req, res, reply);
     } else {
@@ -566,19 +571,18 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                 const uint64_t hash = ev.reply.prefix_hash();
                 // the next step gathers with the sessions sampled beside this token (not the
                 // coordinator's business)
-                dgr::v1::Cohort cohort;
-                cohort.Swap(ev.reply.mutable_cohort());
+                const Cohort mates = from_wire(ev.reply.cohort());
                 ev.reply.clear_cohort();
                 if (out.add(std::move(ev.reply), last) && !stream->Write(out.take())) {
                     result = Status(StatusCode::CANCELLED, "the coordinator went away");
                     done = true;
-                    batcher_.forgo(Cohort{cohort.id(), cohort.size()});
+                    batcher_.forgo(mates);
                     break;
                 }
                 if (last) {
                     generating = false;  // nothing past the last token: wait for the coordinator to close
                     finished = true;
-                    batcher_.forgo(Cohort{cohort.id(), cohort.size()});  // its cohort-mates go on without it
+                    batcher_.forgo(mates);  // its cohort-mates go on without it
                     break;
                 }
                 step.clear_token_ids();
@@ -593,8 +597,8 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                     in_flight_drafts = step.token_ids_size() - 1;
                 }
                 step.set_n_draft((uint32_t) in_flight_drafts);
-                if (cohort.size() > 1) {
-                    step.mutable_cohort()->Swap(&cohort);
+                if (mates.size > 1) {
+                    to_wire(mates, step.mutable_cohort());
                 } else {
                     step.clear_cohort();
                 }
