@@ -156,6 +156,12 @@ def bench_spec(session: nox.Session) -> None:
     session.run("python", "-m", "dgr_bench.spec", *session.posargs)
 
 
+@nox.session(name="bench-mtp", python=False)
+def bench_mtp(session: nox.Session) -> None:
+    """Decode with and without the tail's MTP drafts on a 3-stage V4 twin route (DGR-069)."""
+    session.run("python", "-m", "dgr_bench.mtp", *session.posargs)
+
+
 @nox.session(name="bench-plan", python=False)
 def bench_plan(session: nox.Session) -> None:
     """Planned routes on loopback through generated links: measured vs predicted, vs even split."""

@@ -9,7 +9,8 @@ namespace {
 constexpr double kDecay = 0.2;       // weight of the newest step in the moving averages
 constexpr double kKeep = 0.9;        // decay of the acceptance counts per drafting step
 constexpr int32_t kWarmup = 2;       // plain steps timed before the first draft
-constexpr int32_t kProbeEvery = 16;  // with drafting off, a one-draft probe this often
+constexpr int32_t kProbeEvery = 16;  // with drafting off, a one-draft probe this often at first,
+constexpr int32_t kProbeMax = 256;   // twice as long after each probe rejected, up to this
 constexpr int32_t kPlainEvery = 32;  // with drafting on, a plain step this often keeps t0 fresh
 
 void blend(double & avg, double x, int32_t seen) { avg = seen == 0 ? x : avg + kDecay * (x - avg); }
@@ -50,45 +51,56 @@ std::vector<int32_t> PromptLookup::propose(int32_t max_draft) const {
     return {};
 }
 
-DraftController::DraftController(int32_t max_draft) : max_draft_(max_draft) {}
+DraftController::DraftController(int32_t max_draft, double units_per_draft)
+    : max_draft_(max_draft), units_(units_per_draft), probe_every_(kProbeEvery) {}
 
 double DraftController::acceptance() const { return hits_ / trials_; }
 
-int32_t DraftController::next(int32_t proposal_limit) {
-    if (proposal_limit < 1 || plain_seen_ < kWarmup) return 0;
-    ++since_draft_;
-    if (draft_seen_ > 0 && since_draft_ % kPlainEvery == 0) return 0;
+int32_t DraftController::best(int32_t limit, int32_t since) const {
     const double p = std::min(acceptance(), 0.999);
-    // the prior, until drafting steps are timed: a drafted token costs a quarter of a plain step
-    if (draft_seen_ == 0) beta_ = 0.25 * t0_;
-    const double beta = beta_;
-    int32_t best = 0;
+    // the prior, until drafting steps are timed: a unit of drafting costs a quarter of a plain step
+    const double beta = (draft_seen_ == 0 ? 0.25 * t0_ : beta_) * units_;
+    int32_t k_best = 0;
     double best_rate = 1.0 / t0_, expected = 1.0, pk = 1.0;
-    for (int32_t k = 1; k <= std::min(max_draft_, proposal_limit); ++k) {
+    for (int32_t k = 1; k <= std::min(max_draft_, limit); ++k) {
         pk *= p;
         expected += pk;  // 1 + p + ... + p^k
         const double rate = expected / (t0_ + beta * k);
         if (rate > best_rate) {
-            best = k;
+            k_best = k;
             best_rate = rate;
         }
     }
-    if (best == 0 && since_draft_ >= kProbeEvery) best = 1;  // is drafting paying yet?
-    if (best > 0) since_draft_ = 0;
-    return best;
+    if (k_best == 0 && since >= probe_every_) k_best = 1;  // is drafting paying yet?
+    return k_best;
 }
 
-void DraftController::observe(int32_t drafted, int32_t accepted, double seconds) {
+DraftChoice DraftController::next(int32_t proposal_limit) {
+    if (proposal_limit < 1 || plain_seen_ < kWarmup) return {};
+    ++since_draft_;
+    if (draft_seen_ > 0 && ++steps_ % kPlainEvery == 0) return {};
+    if (draft_seen_ == 0) beta_ = 0.25 * t0_;  // (per unit)
+    const int32_t k = best(proposal_limit, since_draft_);
+    const bool probe = k > 0 && since_draft_ >= probe_every_ && best(proposal_limit, 0) == 0;
+    if (k > 0) since_draft_ = 0;
+    return {k, probe};
+}
+
+void DraftController::observe(int32_t drafted, int32_t accepted, double seconds, int32_t cost_units, bool probe) {
     if (seconds <= 0.0) return;
-    if (drafted == 0) {
+    if (cost_units <= 0) {
         blend(t0_, seconds, plain_seen_++);
         return;
+    }
+    // one noisy step moves the estimate by kDecay, not to itself: the prior counts as a step
+    if (plain_seen_ > 0) blend(beta_, std::max(0.0, seconds - t0_) / cost_units, ++draft_seen_);
+    if (drafted == 0) return;
+    if (probe) {  // a probe that failed waits twice as long for the next; one that held resets
+        probe_every_ = accepted == 0 ? std::min(2 * probe_every_, kProbeMax) : kProbeEvery;
     }
     // each draft up to the first rejection was a trial; the rejection (if any) one more
     hits_ = kKeep * hits_ + accepted;
     trials_ = kKeep * trials_ + accepted + (accepted < drafted ? 1 : 0);
-    // one noisy step moves the estimate by kDecay, not to itself: the prior counts as a step
-    if (plain_seen_ > 0) blend(beta_, std::max(0.0, seconds - t0_) / drafted, ++draft_seen_);
 }
 
 }  // namespace dgr::worker

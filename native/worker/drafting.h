@@ -1,6 +1,8 @@
 // Speculative decoding at the head of a forward-mode route: where drafts come from and how many to
-// send. The head drafts, one forward of the last accepted token and its drafts crosses the route,
-// and the tail verifies every position (sampling.h), so the output equals plain decode.
+// send. The head drafts by prompt lookup, or takes the drafts the tail's MTP block made with the
+// last token (ShardEngine::draft_mtp); one forward of the last accepted token and its drafts
+// crosses the route, and the tail verifies every position (sampling.h), so the output equals
+// plain decode.
 #pragma once
 
 #include <cstddef>
@@ -29,22 +31,36 @@ private:
 
 // The draft length, from what the steps measured. A step of k drafts yields 1 + (accepted) tokens,
 // E(k) = (1 - p^(k+1)) / (1 - p) on average when each draft is accepted with probability p, and
-// costs t0 + beta * k: t0 a plain step (the trip around the route and one token's compute), beta
-// each drafted token's compute. The controller picks the k in [0, max_draft] with the most tokens
+// costs t0 + beta * u * k: t0 a plain step (the trip around the route and one token's compute),
+// beta a unit of drafting work, u units per draft: 1 where the head drafts (verifying the draft),
+// 2 where the tail drafts a step ahead (making the draft with the MTP block, then verifying it;
+// a step is timed with the units it carried, so the making is counted where it happened, often
+// in a step that verified nothing). The controller picks the k in [0, max_draft] with the most tokens
 // per second; where drafts are rarely accepted that is k = 0, plain decode, and a one-draft probe
-// every kProbeEvery steps notices when they start to be.
+// notices when they start to be: after 16 steps, then after twice as many as before each time a
+// probe is rejected (at most 256), back to 16 when one is accepted.
+struct DraftChoice {
+    int32_t k = 0;       // drafts (0: a plain step)
+    bool probe = false;  // a probe: drafting does not pay by the estimates, but is it paying yet?
+};
+
 class DraftController {
 public:
-    explicit DraftController(int32_t max_draft);
-    int32_t next(int32_t proposal_limit);  // drafts for the next step (0: a plain step)
-    void observe(int32_t drafted, int32_t accepted, double seconds);
+    explicit DraftController(int32_t max_draft, double units_per_draft = 1.0);
+    DraftChoice next(int32_t proposal_limit);  // drafts for the next step to draft for
+    // a step that verified `drafted` drafts (`probe`: as a probe) and did `cost_units` units of
+    // drafting work in all
+    void observe(int32_t drafted, int32_t accepted, double seconds, int32_t cost_units, bool probe);
     double acceptance() const;             // p, the estimate
 
 private:
+    int32_t best(int32_t limit, int32_t since) const;  // the k with the most tokens per second
     int32_t max_draft_;
+    double units_;                           // drafting work per draft
     double t0_ = 0.0, beta_ = 0.0;           // seconds, moving averages
     double hits_ = 1.0, trials_ = 2.0;       // decayed counts behind p (prior 1/2)
-    int32_t plain_seen_ = 0, draft_seen_ = 0, since_draft_ = 0;
+    int32_t plain_seen_ = 0, draft_seen_ = 0, since_draft_ = 0, steps_ = 0;
+    int32_t probe_every_;      // steps of plain decode before a probe
 };
 
 }  // namespace dgr::worker

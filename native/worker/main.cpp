@@ -43,7 +43,7 @@ struct Args {
     int rollback = 16; // rejected drafts one forward may drop where state is not positional (V4)
     // owned layers on the lane's device: all of them (-1) on a build of another lane than the CPU
     int gpu_layers = std::string(dgr::build_info().lane) == "cpu" ? 0 : -1;
-    bool mtp = false;  // serve MTP (nextn) layers: reserved, the engine refuses it in alpha
+    bool mtp = false;  // the tail serves the MTP (nextn) block and drafts with it
     bool warmup = true;
     int keepalive_ms = dgr::worker::kKeepaliveMs;  // every link, both sides
     bool data_links = true;  // forward mode's links to plaintext peers: data streams (else gRPC calls)
@@ -196,7 +196,9 @@ void warm_up(dgr::ShardEngine & engine) {
         r.n_tokens = n;
         r.tokens = tokens.data();
         r.boundary = d.is_head ? nullptr : zeros.data();
+        r.mtp = d.mtp;
         n_past = engine.forward(r).n_past;
+        if (d.mtp) engine.draft_mtp(kScratch, n_past, 1, 2);  // the MTP graph too
     }
     engine.release(kScratch);
 }

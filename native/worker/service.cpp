@@ -49,6 +49,7 @@ dgr::v1::ForwardRequest next_request(const dgr::v1::ForwardRequest & req, dgr::v
     next.set_chunk_index(req.chunk_index());
     next.set_last_chunk(req.last_chunk());
     next.set_n_draft(req.n_draft());
+    if (req.has_draft()) *next.mutable_draft() = req.draft();  // MTP: the tail's block follows
     *next.mutable_sampling() = req.sampling();
     next.set_boundary_dtype(req.boundary_dtype());
     *next.mutable_route() = req.route();
@@ -234,6 +235,7 @@ Status ShardService::Describe(grpc::ServerContext * ctx, const dgr::v1::Describe
     reply->set_max_tokens_per_message((uint32_t) desc_.n_batch);
     reply->set_max_message_bytes(options_.max_message_bytes);
     reply->set_max_rollback((uint32_t) desc_.max_rollback);
+    reply->set_mtp(desc_.mtp);
     return Status::OK;
 }
 
@@ -317,6 +319,18 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
     if (req.has_route() && timing.cohort.size > 1) to_wire(timing.cohort, reply->mutable_cohort());
     if (res.is_logits) {
         verify(req, res, reply);
+        if (fr.mtp && req.last_chunk() && req.draft().propose() > 0) {
+            // MTP: drafts of the tokens after the last one sampled, for the head's next step
+            const int32_t last = reply->more_tokens_size() > 0 ? reply->more_tokens(reply->more_tokens_size() - 1).token_id()
+                                                               : reply->token().token_id();
+            try {
+                for (int32_t d : engine_->draft_mtp(fr.session, (int32_t) reply->n_past(), last, (int32_t) req.draft().propose())) {
+                    reply->add_drafts(d);
+                }
+            } catch (const dgr::ShardError & e) {
+                return from_shard_error(e);
+            }
+        }
     } else {
         encode_boundary(reply->mutable_boundary(), res.dtype, (uint32_t) res.n_rows, (uint32_t) desc_.boundary.hc,
                         (uint32_t) desc_.boundary.n_embd, res.data.data(), res.data.size());
@@ -470,11 +484,15 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
     dgr::v1::ForwardRequest step;  // the template of decode steps: sampling, dtype, route
     std::unique_ptr<Downstream> down;
     // speculative decoding (Draft on the last prefill chunk): the session's tokens so far, the
-    // drafter over them, and when the step in flight left
+    // drafter over them (prompt lookup) or the drafts the tail sends with each token (MTP, with
+    // the Draft on every chunk), and when the step in flight left
     std::unique_ptr<PromptLookup> lookup;
+    bool mtp = false, chunk_without_mtp = false;
     std::unique_ptr<DraftController> drafts;
     std::vector<int32_t> prompt;
-    int32_t in_flight_drafts = 0;
+    int32_t in_flight_drafts = 0, in_flight_proposed = 0;  // MTP: drafts the tail makes with the step
+    bool in_flight_probe = false;
+    DraftChoice planned;  // MTP: the drafts the step in flight asked the tail for, chosen a step ahead
     auto step_sent = std::chrono::steady_clock::now();
     // tokens go to the coordinator coalesced, at most one reply per token_interval_ms: every reply
     // wakes a coordinator whose threads would otherwise take CPU from a stage computing
@@ -516,6 +534,15 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                                      Status(StatusCode::INVALID_ARGUMENT,
                                             "forward mode: the prefill ended with its last chunk; the route drives decoding")));
                 } else {
+                    const bool mtp_chunk = ev.req.draft().source() == dgr::v1::DRAFT_SOURCE_MTP;
+                    chunk_without_mtp = chunk_without_mtp || !mtp_chunk;
+                    if (ev.req.last_chunk() && mtp_chunk && chunk_without_mtp) {
+                        fail(stage_error(0, route.stages(0),
+                                         Status(StatusCode::INVALID_ARGUMENT,
+                                                "draft: MTP drafting needs the Draft on every prefill chunk (the tail's MTP "
+                                                "block follows each forward)")));
+                        break;
+                    }
                     if (ev.req.last_chunk()) {
                         if (ev.req.max_tokens() < 1) {
                             fail(stage_error(0, route.stages(0),
@@ -535,6 +562,11 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                             lookup = std::make_unique<PromptLookup>((int32_t) d.ngram_min(), (int32_t) d.ngram_max());
                             drafts = std::make_unique<DraftController>((int32_t) d.max_draft());
                             step.mutable_expect()->set_truncate(true);
+                        } else if (mtp_chunk) {
+                            mtp = true;
+                            drafts = std::make_unique<DraftController>((int32_t) ev.req.draft().max_draft(), 2.0);
+                            *step.mutable_draft() = ev.req.draft();  // every step: the tail's block follows
+                            step.mutable_expect()->set_truncate(true);
                         }
                     }
                     prompt.insert(prompt.end(), ev.req.token_ids().begin(), ev.req.token_ids().end());
@@ -549,9 +581,17 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
             case Event::token: {
                 const int64_t sent = flow->sent_ns.exchange(0);
                 if (!generating) break;
+                // MTP: the tail's drafts for the next step (not the coordinator's business)
+                std::vector<int32_t> proposed(ev.reply.drafts().begin(), ev.reply.drafts().end());
+                ev.reply.clear_drafts();
+                if (Status st = check_drafts(proposed); !st.ok()) {
+                    fail(stage_error((uint32_t) route.stages_size() - 1, route.stages(route.stages_size() - 1), st));
+                    break;
+                }
                 if (drafts && in_flight_drafts >= 0) {
                     drafts->observe(in_flight_drafts, (int32_t) ev.reply.accepted(),
-                                    std::chrono::duration<double>(std::chrono::steady_clock::now() - step_sent).count());
+                                    std::chrono::duration<double>(std::chrono::steady_clock::now() - step_sent).count(),
+                                    in_flight_drafts + in_flight_proposed, in_flight_probe);
                 }
                 // a verified step yields several tokens: keep those up to the last one wanted
                 bool last = false;
@@ -588,12 +628,28 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                 step.clear_token_ids();
                 step.add_token_ids(token);
                 in_flight_drafts = 0;
+                in_flight_proposed = 0;
+                in_flight_probe = false;
                 if (drafts) {
                     // never past max_tokens, nor past this stage's context
                     const int32_t room = std::min<int32_t>((int32_t) (max_tokens - generated) - 1,
                                                            desc_.n_ctx - (int32_t) n_past - 1);
-                    const int32_t k = drafts->next(std::min<int32_t>(room, (int32_t) kMaxDraft));
-                    for (int32_t d : lookup->propose(k)) step.add_token_ids(d);
+                    const int32_t limit = std::min<int32_t>(room, (int32_t) kMaxDraft);
+                    if (lookup) {
+                        const DraftChoice c = drafts->next(limit);
+                        for (int32_t d : lookup->propose(c.k)) step.add_token_ids(d);
+                        in_flight_probe = c.probe;
+                    } else {
+                        // MTP drafts are made a step ahead: this step verifies what was chosen a
+                        // step ago (as far as the tail made them), and asks for the next choice
+                        for (int32_t i = 0; i < planned.k && i < (int32_t) proposed.size() && i < limit; ++i) {
+                            step.add_token_ids(proposed[(size_t) i]);
+                        }
+                        in_flight_probe = planned.probe && step.token_ids_size() > 1;
+                        planned = drafts->next(limit);
+                        in_flight_proposed = planned.k;
+                        step.mutable_draft()->set_propose((uint32_t) planned.k);
+                    }
                     in_flight_drafts = step.token_ids_size() - 1;
                 }
                 step.set_n_draft((uint32_t) in_flight_drafts);
@@ -635,6 +691,20 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
     }
     release(session, epoch);
     return result;
+}
+
+Status ShardService::check_drafts(const std::vector<int32_t> & drafts) const {
+    if (drafts.size() > kMaxDraft) {
+        return Status(StatusCode::INVALID_ARGUMENT,
+                      "drafts: " + std::to_string(drafts.size()) + " came with a token, at most " + std::to_string(kMaxDraft));
+    }
+    for (int32_t d : drafts) {
+        if (d < 0 || d >= desc_.n_vocab) {
+            return Status(StatusCode::INVALID_ARGUMENT,
+                          "drafts: token id " + std::to_string(d) + " outside the vocabulary of " + std::to_string(desc_.n_vocab));
+        }
+    }
+    return Status::OK;
 }
 
 uint32_t ShardService::peers_behind(const HeadFlow * me, int64_t sent_ns) {

@@ -125,6 +125,8 @@ private:
     // the tail: sample the last accepted token's row and every drafted one, keep the longest
     // prefix of drafts the samples agree with, and one sample more
     void verify(const dgr::v1::ForwardRequest & req, const dgr::ForwardResult & res, dgr::v1::ForwardReply * reply);
+    // the head: MTP drafts that came back with a token (at most kMaxDraft, inside the vocabulary)
+    grpc::Status check_drafts(const std::vector<int32_t> & drafts) const;
     grpc::Status relay(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
     grpc::Status forward_stage(Upstream & stream, dgr::v1::ForwardRequest req);
     grpc::Status serve_data_stream(DataUpstream & up);

@@ -20,14 +20,26 @@ constexpr uint32_t kMaxTokenIntervalMs = 10000;
 Status validate_draft(const dgr::v1::Draft & d) {
     switch (d.source()) {
         case dgr::v1::DRAFT_SOURCE_UNSPECIFIED: return Status::OK;
-        case dgr::v1::DRAFT_SOURCE_LOOKUP: break;
-        case dgr::v1::DRAFT_SOURCE_MTP:
-            return Status(StatusCode::UNIMPLEMENTED,
-                          "draft.source: MTP drafting is not built yet (docs/mtp.md); prompt lookup is");
+        case dgr::v1::DRAFT_SOURCE_LOOKUP:
+        case dgr::v1::DRAFT_SOURCE_MTP: break;
         default: return invalid("draft.source: unknown source " + std::to_string(d.source()));
     }
     if (d.max_draft() < 1 || d.max_draft() > kMaxDraft) {
         return invalid("draft.max_draft: " + std::to_string(d.max_draft()) + " outside [1, " + std::to_string(kMaxDraft) + "]");
+    }
+    if (d.source() == dgr::v1::DRAFT_SOURCE_MTP) {
+        if (d.ngram_min() != 0 || d.ngram_max() != 0) {
+            return invalid("draft.ngram_min/ngram_max: prompt-lookup lengths (" + std::to_string(d.ngram_min()) + ", " +
+                           std::to_string(d.ngram_max()) + "), 0 with MTP drafts");
+        }
+        if (d.propose() > d.max_draft()) {
+            return invalid("draft.propose: " + std::to_string(d.propose()) + " outside [0, max_draft " +
+                           std::to_string(d.max_draft()) + "]");
+        }
+        return Status::OK;
+    }
+    if (d.propose() != 0) {
+        return invalid("draft.propose: " + std::to_string(d.propose()) + ", an MTP field; 0 with prompt lookup");
     }
     if (d.ngram_max() < 1 || d.ngram_max() > kMaxNgram) {
         return invalid("draft.ngram_max: " + std::to_string(d.ngram_max()) + " outside [1, " + std::to_string(kMaxNgram) + "]");
@@ -139,6 +151,18 @@ Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Descriptio
     fr.n_past = (int32_t) exp.n_past();
     fr.truncate = exp.truncate();
     fr.logits_all = req.n_draft() > 0;  // the tail verifies every drafted position
+    if (req.draft().source() == dgr::v1::DRAFT_SOURCE_MTP) {
+        if (!req.has_route()) return invalid("draft: speculative decoding is a forward-mode field, on a request without route");
+        if (desc.is_tail && !desc.mtp) {
+            return Status(StatusCode::FAILED_PRECONDITION,
+                          "draft.source: MTP drafts come from the tail's MTP block, and this tail does not serve it "
+                          "(start it with --mtp)");
+        }
+        if (desc.is_tail && n_tok_ids < 1) {
+            return invalid("token_ids: the tail's MTP block pairs each residual with its token: the sideband is needed");
+        }
+        fr.mtp = desc.is_tail;  // the tail's MTP cache follows every forward of the session
+    }
     out->tokens.assign(req.token_ids().begin(), req.token_ids().end());
     if (desc.is_head) {
         if (n_tok_ids < 1) return invalid("token_ids: the head stage needs token ids");

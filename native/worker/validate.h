@@ -30,8 +30,9 @@ grpc::Status validate_sampling(const dgr::v1::Sampling & s, int32_t n_vocab);
 constexpr uint32_t kMaxDraft = 16;
 constexpr uint32_t kMaxNgram = 8;
 
-// off, or prompt lookup with max_draft in [1, kMaxDraft] and 1 <= ngram_min <= ngram_max <=
-// kMaxNgram; MTP is UNIMPLEMENTED until built
+// off; prompt lookup with max_draft in [1, kMaxDraft], 1 <= ngram_min <= ngram_max <= kMaxNgram
+// and propose 0; or MTP with max_draft in [1, kMaxDraft], propose in [0, max_draft] and no n-gram
+// lengths
 grpc::Status validate_draft(const dgr::v1::Draft & d);
 
 // forward mode: a route that names this stage at its place ([first, last) decides head and tail)

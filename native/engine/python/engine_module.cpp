@@ -60,6 +60,7 @@ public:
         out["max_sessions"] = d.max_sessions;
         out["is_head"] = d.is_head;
         out["is_tail"] = d.is_tail;
+        out["mtp"] = d.mtp;
         out["hc"] = d.boundary.hc;
         out["n_embd"] = d.boundary.n_embd;
         out["needs_token_ids"] = d.boundary.needs_token_ids;
@@ -72,8 +73,9 @@ public:
     }
 
     py::array forward(uint64_t session, uint64_t epoch, int32_t n_past, py::object tokens, py::object boundary,
-                      bool logits_all, const std::string & out_dtype, bool truncate, uint64_t prefix_hash) {
+                      bool logits_all, const std::string & out_dtype, bool truncate, uint64_t prefix_hash, bool mtp) {
         dgr::ForwardRequest req;
+        req.mtp = mtp;
         req.session = session;
         req.epoch = epoch;
         req.n_past = n_past;
@@ -125,6 +127,11 @@ public:
             result = engine_->forward(req, out);
         }
         return to_numpy(std::move(result));
+    }
+
+    std::vector<int32_t> draft_mtp(uint64_t session, int32_t n_keep, int32_t token, int32_t max_draft) {
+        py::gil_scoped_release release;
+        return engine_->draft_mtp(session, n_keep, token, max_draft);
     }
 
     void release_session(uint64_t session) { engine_->release(session); }
@@ -184,7 +191,9 @@ PYBIND11_MODULE(_dgr_engine, m) {
         .def("forward", &PyEngine::forward, py::arg("session"), py::arg("epoch"), py::arg("n_past"),
              py::arg("tokens") = py::none(), py::arg("boundary") = py::none(), py::arg("logits_all") = false,
              py::arg("out_dtype") = "f32", py::arg("truncate") = false,
-             py::arg("prefix_hash") = 0)
+             py::arg("prefix_hash") = 0, py::arg("mtp") = false)
+        .def("draft_mtp", &PyEngine::draft_mtp, py::arg("session"), py::arg("n_keep"), py::arg("token"),
+             py::arg("max_draft"))
         .def("release", &PyEngine::release_session, py::arg("session"))
         .def("sessions", &PyEngine::sessions)
         .def("tokenize", &PyEngine::tokenize, py::arg("text"), py::arg("add_special") = true)

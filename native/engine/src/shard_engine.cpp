@@ -166,6 +166,8 @@ struct ModelShape {
     int32_t n_blocks = 0;       // main + MTP (nextn) layers
     int32_t hc = 1;             // residual streams (DeepSeek V4 mHC)
     int32_t hash_layers = 0;    // leading layers that route experts by token id
+    int32_t mtp_window = 0;     // the MTP layer attends to positions this close (sliding window
+                                // attention; 0: to all of them)
 };
 
 ModelShape probe_layers(const std::string & path) {
@@ -188,6 +190,9 @@ ModelShape probe_layers(const std::string & path) {
     const int64_t nextn = std::max<int64_t>(0, get_u32(arch + ".nextn_predict_layers"));
     const int64_t hc = get_u32(arch + ".hyper_connection.count");
     const int64_t hash_layers = get_u32(arch + ".hash_layer_count");
+    // llama.cpp's DeepSeek V4 graph makes its MTP layers sliding-window layers (deepseek4.cpp:
+    // is_swa_impl for il >= n_layer), whatever their compress ratio
+    const int64_t mtp_window = arch == "deepseek4" && nextn > 0 ? get_u32(arch + ".attention.sliding_window") : 0;
     // llama.cpp's vocabulary load asserts (aborting the process) when two tokens share a string;
     // a file like that is refused here with a typed error instead (found by the GGUF fuzzer)
     const int64_t tokens_key = gguf_find_key(gguf, "tokenizer.ggml.tokens");
@@ -213,6 +218,7 @@ ModelShape probe_layers(const std::string & path) {
     shape.n_blocks = (int32_t) blocks;
     shape.hc = hc > 0 ? (int32_t) hc : 1;
     shape.hash_layers = (int32_t) std::max<int64_t>(0, hash_layers);
+    shape.mtp_window = (int32_t) std::max<int64_t>(0, mtp_window);
     return shape;
 }
 
@@ -225,7 +231,24 @@ struct Session {
     std::vector<uint64_t> hashes{kPrefixHashSeed};
     bool hash_known() const { return !hashes.empty(); }
     uint64_t hash() const { return hashes.back(); }
+    // MTP at the tail (load_mtp): the MTP block pairs the token at each position with the final
+    // residual (h_nextn) at the position before. Its cache holds positions [0, n) in step with
+    // the main cache; the forwards since wait in `tokens` (positions n, n + 1, ...) and `rows`
+    // (residuals from position n - 1, a zero row before position 0: rows[i] pairs with tokens[i],
+    // the last row is the one a draft starts from). The block catches up on them in one batch
+    // when a draft is asked for. A block that attends through a sliding window (DeepSeek V4's)
+    // skips the positions that fell out of it, so a session whose drafts do not pay (and are not
+    // asked for) costs it nothing; any other catches up once kMtpPending wait.
+    struct MtpTrail {
+        bool following = false;  // every forward since n_past 0 came with `mtp`
+        int32_t n = 0;
+        std::vector<int32_t> tokens;
+        std::vector<float> rows;
+    } mtp;
 };
+
+constexpr size_t kMtpPending = 32;
+constexpr int32_t kMtpMinKeep = 17;  // the longest verification forward: a token and 16 drafts
 
 class LlamaShardEngine final : public ShardEngine {
 public:
@@ -242,10 +265,6 @@ public:
         const std::string & arch = shape.arch;
         const int32_t n_layer = shape.n_layer;
 
-        if (options.load_mtp) {
-            throw ShardError(Status::invalid_argument,
-                             "MTP (nextn) layers are reserved and not loaded in alpha: run without MTP");
-        }
         const int32_t first = options.layer_first;
         const int32_t last = options.layer_last < 0 ? n_layer : options.layer_last;
         if (first >= 0 && first < last && last > n_layer && last <= shape.n_blocks) {
@@ -253,8 +272,17 @@ public:
                              "layer range [" + std::to_string(first) + ", " + std::to_string(last) +
                                  ") reaches into the MTP block (layers " + std::to_string(n_layer) + ".." +
                                  std::to_string(shape.n_blocks - 1) +
-                                 "): MTP layers are reserved and not loaded in alpha; main layers end at " +
-                                 std::to_string(n_layer));
+                                 "): MTP layers are no main range; main layers end at " + std::to_string(n_layer) +
+                                 " and the tail serves the MTP block with load_mtp (worker --mtp)");
+        }
+        if (options.load_mtp && shape.n_blocks == n_layer) {
+            throw ShardError(Status::invalid_argument, "load_mtp: " + options.model_path +
+                                                           " has no MTP (nextn) block (" + arch + ".nextn_predict_layers is 0)");
+        }
+        if (options.load_mtp && first >= 0 && last != n_layer) {
+            throw ShardError(Status::invalid_argument,
+                             "load_mtp: only the tail serves the MTP block, and the range [" + std::to_string(first) + ", " +
+                                 std::to_string(last) + ") ends before the last main layer (" + std::to_string(n_layer) + ")");
         }
         if (first < 0 || first >= last || last > n_layer) {
             throw ShardError(Status::invalid_range,
@@ -277,6 +305,7 @@ public:
         mparams.n_gpu_layers = options.gpu_layers < 0 ? 999 : options.gpu_layers;
         mparams.dgr_layer_first = first;
         mparams.dgr_layer_last = last;
+        mparams.load_mtp = options.load_mtp;
         // read owned tensors into their own buffers: a mapped (and prefetched) file would page in
         // every layer's weights, owned or not
         mparams.load_mode = LLAMA_LOAD_MODE_NONE;
@@ -314,11 +343,14 @@ public:
         // not first touches (a no-op for a dry run)
         if (!options.estimate_only) llama_memory_clear(llama_get_memory(ctx_), true);
 
+        if (options.load_mtp) open_mtp(cparams, shape.mtp_window);
+
         // Stages of a route run one after another and share cores with their neighbours; a
         // threadpool that keeps spinning after its graph steals the CPU the next stage needs.
         threadpool_ = new_pool(options.prio);
         if (threadpool_ != nullptr) {
             llama_attach_threadpool(ctx_, threadpool_, threadpool_);
+            if (mtp_) llama_attach_threadpool(mtp_, threadpool_, threadpool_);
             attached_ = threadpool_;
         }
 
@@ -339,6 +371,7 @@ public:
                                 kSnapshotStateArchs.count(arch) == 0;
         desc_.max_rollback = positional ? options.n_ctx : (int32_t) llama_n_rs_seq(ctx_);
         desc_.is_head = first == 0;
+        desc_.mtp = mtp_ != nullptr;
         staged_boundary_ = kStagedBoundaryArchs.count(arch) > 0;
         desc_.boundary.hc = staged_boundary_ ? shape.hc : 1;
         desc_.boundary.n_embd = llama_model_n_embd(model_);
@@ -349,6 +382,12 @@ public:
             desc_.kv_bytes += entry.second.context;
             desc_.compute_bytes += entry.second.compute;
         }
+        if (mtp_) {  // the same weights; its own cache and compute buffers
+            for (const auto & entry : llama_get_memory_breakdown(mtp_)) {
+                desc_.kv_bytes += entry.second.context;
+                desc_.compute_bytes += entry.second.compute;
+            }
+        }
         // llama_model_size counts every tensor in the file; a shard holds only its own
         desc_.weight_bytes = desc_.model_buffer_bytes;
         for (int32_t s = options.max_sessions - 1; s >= 0; --s) {
@@ -357,6 +396,7 @@ public:
     }
 
     ~LlamaShardEngine() override {
+        if (mtp_) llama_free(mtp_);
         if (ctx_) llama_free(ctx_);
         if (threadpool_) ggml_threadpool_free(threadpool_);
         if (threadpool_normal_) ggml_threadpool_free(threadpool_normal_);
@@ -436,6 +476,7 @@ public:
         ggml_threadpool * want = on ? threadpool_ : threadpool_normal_;
         if (want != attached_) {
             llama_attach_threadpool(ctx_, want, want);
+            if (mtp_) llama_attach_threadpool(mtp_, want, want);
             attached_ = want;
         }
         if (!on) {  // the calling thread may hold the realtime policy from an earlier graph
@@ -449,12 +490,6 @@ public:
         std::lock_guard<std::mutex> lock(mutex_);
         // admit each item on its own: a refused one gets its error and leaves its session as it
         // was; the rest compute together
-        struct Live {
-            BatchItem * item;
-            Session * session;
-            bool opened;
-            int32_t offset;  // of its first token in the batch
-        };
         std::vector<Live> live;
         int32_t total = 0;
         for (auto & item : items) {
@@ -547,6 +582,7 @@ public:
             }
             return;
         }
+        if (mtp_) mtp_follow(live);
         const float * embd = desc_.is_tail ? nullptr : llama_get_embeddings(ctx_);
         for (const Live & l : live) {
             const ForwardRequest & req = l.item->request;
@@ -584,7 +620,189 @@ public:
         recount();
     }
 
+    std::vector<int32_t> draft_mtp(uint64_t session, int32_t n_keep, int32_t token, int32_t max_draft) override {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (mtp_ == nullptr) {
+            throw ShardError(Status::invalid_argument, "draft_mtp: this shard does not serve the MTP block (opened without load_mtp)");
+        }
+        auto it = sessions_.find(session);
+        if (it == sessions_.end()) {
+            throw ShardError(Status::unknown_session, "no session " + std::to_string(session) + " on this shard");
+        }
+        Session & s = it->second;
+        if (n_keep < 1 || n_keep > s.n_past) {
+            throw ShardError(Status::invalid_argument, "draft_mtp: n_keep " + std::to_string(n_keep) + " outside [1, " +
+                                                           std::to_string(s.n_past) + "] (the session's tokens)");
+        }
+        if (token < 0 || token >= desc_.n_vocab) {
+            throw ShardError(Status::invalid_argument, "draft_mtp: token id " + std::to_string(token) +
+                                                           " outside the vocabulary of " + std::to_string(desc_.n_vocab));
+        }
+        // drafts take the block's positions n_keep, n_keep + 1, ...: never past the context
+        max_draft = std::min(max_draft, options_.n_ctx - n_keep);
+        Session::MtpTrail & t = s.mtp;
+        if (max_draft < 1 || !t.following || n_keep < t.n) return {};
+        const size_t width = mtp_width();
+        // the positions past n_keep were rejected: the block never sees them
+        t.tokens.resize((size_t) (n_keep - t.n));
+        t.rows.resize((t.tokens.size() + 1) * width);
+        // the first draft attends to the window before n_keep, and to nothing older
+        if (mtp_window_ > 0 && t.tokens.size() > (size_t) mtp_window_) mtp_skip(s, (size_t) mtp_window_);
+        attach_pool();
+        if (!mtp_catch_up(s, n_keep)) {
+            throw ShardError(Status::decode_failed, "MTP block: catching up to " + std::to_string(n_keep) + " tokens failed: " +
+                                                        take_or("no detail"));
+        }
+        llama_memory_t mem = llama_get_memory(mtp_);
+        llama_memory_seq_rm(mem, s.seq, n_keep, -1);  // earlier drafts
+        std::vector<float> cur(t.rows.end() - (long) width, t.rows.end());
+        std::vector<int32_t> out;
+        int32_t tok = token;
+        for (int32_t i = 0; i < max_draft; ++i) {
+            // the token at position n_keep + i with the residual before it predicts the next one
+            llama_batch_ext_clear(mtp_batch_.get());
+            const int32_t idx = llama_batch_ext_add_token(mtp_batch_.get(), s.seq, tok);
+            const llama_pos pos = n_keep + i;
+            llama_batch_ext_set_pos(mtp_batch_.get(), idx, &pos);
+            llama_batch_ext_set_embd_token(mtp_batch_.get(), idx, llama_embd{cur.data(), 1, width});
+            llama_batch_ext_set_output_logits(mtp_batch_.get(), idx, true);
+            const int32_t rc = llama_process(mtp_, LLAMA_PROCESS_TYPE_DECODE, mtp_batch_.get());
+            if (rc != 0) {
+                llama_memory_seq_rm(mem, s.seq, n_keep, -1);
+                pause_pool();
+                throw ShardError(Status::decode_failed, "MTP draft: llama_process returned " + std::to_string(rc) + ": " +
+                                                            take_or("no detail"));
+            }
+            tok = llama_sampler_sample(greedy_.get(), mtp_, -1);
+            out.push_back(tok);
+            const float * next = llama_get_embeddings_nextn_ith(mtp_, 0);
+            std::copy(next, next + width, cur.begin());
+        }
+        pause_pool();
+        return out;
+    }
+
 private:
+    struct Live {
+        BatchItem * item;
+        Session * session;
+        bool opened;
+        int32_t offset;  // of its first token in the batch
+    };
+
+    struct SamplerFree {
+        void operator()(llama_sampler * s) const { llama_sampler_free(s); }
+    };
+    struct BatchExtFree {
+        void operator()(llama_batch_ext * b) const { llama_batch_ext_free(b); }
+    };
+
+    // the tail's MTP context: llama.cpp's MTP graph over the nextn block, with a cache of its own;
+    // the main context outputs every token's final residual (h_nextn) for it
+    void open_mtp(llama_context_params cparams, int32_t window) {
+        // the window, and a verification forward more: a draft after it, at the first position
+        // it may keep, still finds its whole window
+        mtp_window_ = window;
+        mtp_keep_ = window > 0 ? window + kMtpMinKeep : 0;
+        if (llama_model_n_layer_nextn(model_) < 1) {
+            throw ShardError(Status::load_failed, options_.model_path + ": the MTP (nextn) block did not load");
+        }
+        cparams.ctx_type = LLAMA_CONTEXT_TYPE_MTP;
+        cparams.embeddings = false;
+        cparams.n_rs_seq = 0;  // positional: rejected drafts go by seq_rm
+        mtp_ = llama_init_from_model(model_, cparams);
+        if (mtp_ == nullptr) {
+            throw ShardError(Status::capacity, take_or("cannot create the MTP context"));
+        }
+        llama_set_embeddings_nextn(ctx_, true, /*masked=*/false);
+        llama_set_embeddings_nextn(mtp_, true, /*masked=*/true);
+        if (!options_.estimate_only) llama_memory_clear(llama_get_memory(mtp_), true);
+        mtp_hc_ = llama_model_n_embd_out(model_) / llama_model_n_embd(model_);
+        mtp_batch_.reset(llama_batch_ext_init(mtp_));
+        greedy_.reset(llama_sampler_init_greedy());
+    }
+
+    // after a successful decode (sessions' n_past not yet advanced): every `mtp` item's tokens
+    // and final residuals join its session's trail; a forward without `mtp`, or one the trail
+    // does not reach, stops the session's drafting until its next prefill from position 0
+    void mtp_follow(const std::vector<Live> & live) {
+        const size_t width = mtp_width();
+        for (const Live & l : live) {
+            const ForwardRequest & req = l.item->request;
+            Session::MtpTrail & t = l.session->mtp;
+            const int32_t a = l.session->n_past;
+            if (req.mtp && a == 0) {
+                t = Session::MtpTrail{true, 0, {}, std::vector<float>(width, 0.0f)};
+            } else if (!req.mtp || !t.following || t.n + (int32_t) t.tokens.size() != a) {
+                t.following = false;
+                continue;
+            }
+            t.tokens.insert(t.tokens.end(), req.tokens, req.tokens + req.n_tokens);
+            for (int32_t i = 0; i < req.n_tokens; ++i) {
+                const float * row = llama_get_embeddings_nextn_ith(ctx_, l.offset + i);
+                t.rows.insert(t.rows.end(), row, row + width);
+            }
+            if (mtp_keep_ > 0 && t.tokens.size() > (size_t) mtp_keep_) {
+                // a block that attends through a sliding window never needs the positions that
+                // fell out of it: they are skipped, never computed (while drafts are not asked
+                // for, the block costs nothing). Its cache starts again after the gap (a position
+                // writes its own key and value alone; outputs are read only at drafts, whose
+                // window the pending positions cover).
+                mtp_skip(*l.session, (size_t) mtp_keep_);
+            } else if (mtp_keep_ == 0 && t.tokens.size() >= kMtpPending) {
+                // drafts this forward verifies may be rejected: the block takes only what is kept
+                mtp_catch_up(*l.session, req.logits_all ? a : a + req.n_tokens);
+            }
+        }
+    }
+
+    // the MTP block's cache through position upto - 1, in one decode; false when it failed (the
+    // session then drafts no more)
+    bool mtp_catch_up(Session & s, int32_t upto) {
+        Session::MtpTrail & t = s.mtp;
+        const int32_t m = upto - t.n;
+        if (m <= 0) return true;
+        const size_t width = mtp_width();
+        llama_memory_t mem = llama_get_memory(mtp_);
+        llama_memory_seq_rm(mem, s.seq, t.n, -1);  // drafts made past it
+        llama_batch_ext_clear(mtp_batch_.get());
+        for (int32_t i = 0; i < m; ++i) {
+            const int32_t idx = llama_batch_ext_add_token(mtp_batch_.get(), s.seq, t.tokens[(size_t) i]);
+            const llama_pos pos = t.n + i;
+            llama_batch_ext_set_pos(mtp_batch_.get(), idx, &pos);
+            llama_batch_ext_set_embd_token(mtp_batch_.get(), idx, llama_embd{t.rows.data() + (size_t) i * width, 1, width});
+            llama_batch_ext_set_output_logits(mtp_batch_.get(), idx, false);
+        }
+        const int32_t rc = llama_process(mtp_, LLAMA_PROCESS_TYPE_DECODE, mtp_batch_.get());
+        pause_pool();
+        if (rc != 0) {
+            llama_memory_seq_rm(mem, s.seq, t.n, -1);
+            t.following = false;
+            return false;
+        }
+        t.n = upto;
+        t.tokens.erase(t.tokens.begin(), t.tokens.begin() + m);
+        t.rows.erase(t.rows.begin(), t.rows.begin() + (long) ((size_t) m * width));
+        return true;
+    }
+
+    // the trail without its oldest pending positions, down to `keep`: the block's cache starts
+    // again after the gap
+    void mtp_skip(Session & s, size_t keep) {
+        Session::MtpTrail & t = s.mtp;
+        const size_t drop = t.tokens.size() - keep;
+        llama_memory_seq_rm(llama_get_memory(mtp_), s.seq, -1, -1);
+        t.n += (int32_t) drop;
+        t.tokens.erase(t.tokens.begin(), t.tokens.begin() + (long) drop);
+        t.rows.erase(t.rows.begin(), t.rows.begin() + (long) (drop * mtp_width()));
+    }
+
+    size_t mtp_width() const { return (size_t) desc_.boundary.n_embd * (size_t) mtp_hc_; }
+
+    void pause_pool() {
+        if (attached_ != nullptr && options_.sleep_when_idle) ggml_threadpool_pause(attached_);
+    }
+
     // what a forward must satisfy before llama.cpp sees it
     void check(const ForwardRequest & req) const {
         if (options_.estimate_only) {
@@ -610,6 +828,12 @@ private:
                                  ") owns hash-routed layers (the first " + std::to_string(desc_.hash_layers) +
                                  " route experts by token id) and needs the token-ID sideband");
         }
+        if (req.mtp && mtp_ == nullptr) {
+            throw ShardError(Status::invalid_argument, "mtp: this shard does not serve the MTP block (opened without load_mtp)");
+        }
+        if (req.mtp && req.tokens == nullptr) {
+            throw ShardError(Status::invalid_argument, "mtp: the MTP block pairs each residual with its token: token ids needed");
+        }
         if (req.tokens != nullptr) {
             for (int32_t i = 0; i < req.n_tokens; ++i) {
                 if (req.tokens[i] < 0 || req.tokens[i] >= desc_.n_vocab) {
@@ -624,6 +848,7 @@ private:
     void drop(uint64_t session) {
         auto it = sessions_.find(session);
         llama_memory_seq_rm(llama_get_memory(ctx_), it->second.seq, -1, -1);
+        if (mtp_) llama_memory_seq_rm(llama_get_memory(mtp_), it->second.seq, -1, -1);
         free_seqs_.push_back(it->second.seq);
         sessions_.erase(it);
         recount();
@@ -645,6 +870,7 @@ private:
             free_seqs_.pop_back();
             s.epoch = req.epoch;
             llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, -1, -1);
+            if (mtp_) llama_memory_seq_rm(llama_get_memory(mtp_), s.seq, -1, -1);
             Session & added = sessions_.emplace(req.session, s).first->second;
             recount();
             return added;
@@ -661,9 +887,11 @@ private:
                                                              " must start at n_past 0 (a route change re-prefills)");
             }
             llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, -1, -1);
+            if (mtp_) llama_memory_seq_rm(llama_get_memory(mtp_), s.seq, -1, -1);
             s.epoch = req.epoch;
             s.n_past = 0;
             s.hashes.assign(1, kPrefixHashSeed);
+            s.mtp = Session::MtpTrail{};
             recount();
         }
         if (req.truncate && req.n_past < s.n_past) {
@@ -676,6 +904,12 @@ private:
                                                              " tokens (this model's state is not positional): re-prefill");
             }
             s.n_past = req.n_past;
+            if (s.mtp.n > s.n_past) {
+                s.mtp.following = false;  // (the block only ever takes kept positions)
+            } else {
+                s.mtp.tokens.resize((size_t) (s.n_past - s.mtp.n));
+                s.mtp.rows.resize((s.mtp.tokens.size() + 1) * mtp_width());
+            }
             if (s.hash_known()) s.hashes.resize((size_t) s.n_past + 1);
             recount();
         }
@@ -707,6 +941,13 @@ private:
     Description desc_;
     llama_model * model_ = nullptr;
     llama_context * ctx_ = nullptr;
+    llama_context * mtp_ = nullptr;  // load_mtp: the MTP block's context (the same weights)
+    int32_t mtp_hc_ = 1;             // residual streams of h_nextn
+    int32_t mtp_window_ = 0;         // the MTP layer's sliding window (0: it attends to everything)
+    int32_t mtp_keep_ = 0;           // positions a session's trail keeps pending (0: all, caught up
+                                     // every kMtpPending); the rest are skipped
+    std::unique_ptr<llama_batch_ext, BatchExtFree> mtp_batch_;
+    std::unique_ptr<llama_sampler, SamplerFree> greedy_;
     ggml_threadpool * threadpool_ = nullptr;
     ggml_threadpool * threadpool_normal_ = nullptr;  // at prio > 0: the pool of use_priority(false)
     ggml_threadpool * attached_ = nullptr;           // the pool the context computes with

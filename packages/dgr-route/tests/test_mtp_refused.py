@@ -1,6 +1,8 @@
-"""MTP is reserved in alpha (docs/mtp.md): on the generated V4 quick twin, whose last block is an
-MTP layer, a range into that block and a request to serve MTP are refused with the reason, by the
-engine and by worker processes, and the full range loads without the MTP tensors."""
+"""The MTP ownership contract (DGR-067, docs/mtp.md) on the generated V4 quick twin, whose last
+block is an MTP layer: the block is never a main range and only the tail serves it (--mtp). A range
+into the block, and MTP asked of a stage that is not the tail, are refused with the reason, by the
+engine and by worker processes; a range loaded without --mtp never reads the MTP tensors, and the
+tail with --mtp loads them (DGR-068 builds the drafting: test_mtp.py)."""
 
 from __future__ import annotations
 
@@ -22,15 +24,19 @@ def main_layers(model: Path) -> int:
     return int(kv["deepseek4.block_count"]) - 1
 
 
-def test_the_engine_refuses_mtp(engine_module: ModuleType, quick_twin: Path) -> None:
+def test_the_engine_refuses_mtp_outside_the_tail(
+    engine_module: ModuleType, quick_twin: Path
+) -> None:
     n_layer = main_layers(quick_twin)
     with pytest.raises(
         engine_module.ShardError, match=rf"MTP block \(layers {n_layer}\.\."
     ) as info:
         engine_module.Engine(str(quick_twin), 3, n_layer + 1, **OPTS)
     assert info.value.status == "invalid_range"
-    with pytest.raises(engine_module.ShardError, match=r"MTP .* reserved") as info:
-        engine_module.Engine(str(quick_twin), load_mtp=True, **OPTS)
+    with pytest.raises(
+        engine_module.ShardError, match=r"only the tail serves the MTP block"
+    ) as info:
+        engine_module.Engine(str(quick_twin), 0, 3, load_mtp=True, **OPTS)
     assert info.value.status == "invalid_argument"
 
 
@@ -47,11 +53,27 @@ def test_the_full_range_loads_without_the_mtp_block(
     assert main_bytes <= d["weight_bytes"] < main_bytes + mtp_bytes // 10
 
 
-def test_workers_refuse_mtp(quick_twin: Path) -> None:
+def test_the_tail_with_mtp_loads_the_block(engine_module: ModuleType, quick_twin: Path) -> None:
+    n_layer = main_layers(quick_twin)
+    reader = gguf.GGUFReader(str(quick_twin))
+    owned = sum(
+        int(t.n_bytes)
+        for t in reader.tensors
+        if t.name.startswith((f"blk.{n_layer}.", "token_embd.", "output", "hc_head"))
+        or any(t.name.startswith(f"blk.{i}.") for i in range(3, n_layer))
+    )
+    d = engine_module.Engine(str(quick_twin), 3, -1, load_mtp=True, **OPTS).describe()
+    # the tail's layers, the MTP block and the token embedding it drafts from
+    assert d["mtp"] and owned <= d["weight_bytes"] < owned * 1.01
+    plain = engine_module.Engine(str(quick_twin), 3, -1, **OPTS).describe()
+    assert not plain["mtp"] and plain["weight_bytes"] < d["weight_bytes"]
+
+
+def test_workers_refuse_mtp_outside_the_tail(quick_twin: Path) -> None:
     n_layer = main_layers(quick_twin)
     for layers, extra, needle in [
         ((3, n_layer + 1), [], "reaches into the MTP block"),
-        ((0, n_layer), ["--mtp"], "MTP (nextn) layers are reserved"),
+        ((0, 3), ["--mtp"], "only the tail serves the MTP block"),
     ]:
         with pytest.raises(WorkerStartError, match=re.escape(needle)):
             start_worker(quick_twin, *layers, extra=extra, timeout=60)

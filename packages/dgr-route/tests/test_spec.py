@@ -135,7 +135,7 @@ def forward_refusal(worker: WorkerProcess, request: pb.ForwardRequest) -> grpc.R
     [
         ({"n_draft": 3, "token_ids": [1, 2, 3]}, "INVALID_ARGUMENT", "n_draft"),
         ({"n_draft": 17, "token_ids": list(range(1, 19))}, "INVALID_ARGUMENT", "n_draft"),
-        ({"draft": pb.Draft(source=pb.DRAFT_SOURCE_MTP)}, "UNIMPLEMENTED", "MTP"),
+        ({"draft": pb.Draft(source=pb.DRAFT_SOURCE_MTP)}, "INVALID_ARGUMENT", "draft.max_draft"),
         ({"draft": pb.Draft(source=7)}, "INVALID_ARGUMENT", "draft.source"),
         (
             {
@@ -186,8 +186,8 @@ def test_bad_draft_fields_are_refused_by_name(
 def test_the_coordinator_refuses_drafts_it_cannot_run(
     workers: dict[tuple[int, int], WorkerProcess],
 ) -> None:
-    with pytest.raises(ValueError, match="MTP drafting is not built"):
-        Draft("mtp")
+    with pytest.raises(ValueError, match="draft 'medusa' is not one of"):
+        Draft("medusa")
     with pytest.raises(ValueError, match="max_draft 17"):
         Draft("lookup", max_draft=17)
     with pytest.raises(ValueError, match="needs forward mode"):

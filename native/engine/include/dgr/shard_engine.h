@@ -77,7 +77,9 @@ struct EngineOptions {
     int32_t rollback = 16;      // speculative decoding: positions one truncation may drop in a
                                 // model whose state is not positional (DeepSeek V4), through
                                 // that many state snapshots per session (llama.cpp n_rs_seq)
-    bool load_mtp = false;      // MTP (nextn) layers: reserved, refused in alpha
+    bool load_mtp = false;      // the tail also serves the MTP (nextn) block, with its own cache,
+                                // and drafts with it (draft_mtp); only a range ending at the
+                                // last main layer of a model that has the block
     bool estimate_only = false; // llama.cpp's dry run: describe() reports the memory the range
                                 // would take (weights, KV, compute) without allocating it;
                                 // forward() is refused
@@ -103,6 +105,7 @@ struct Description {
                                 // positional; the snapshots kept where not; 0: none)
     bool is_head = false;
     bool is_tail = false;
+    bool mtp = false;           // the tail drafts with the MTP block (load_mtp)
     BoundarySpec boundary;
     int32_t hash_layers = 0;    // leading layers that route experts by token id (DeepSeek V4)
     uint64_t weight_bytes = 0;  // tensor bytes this shard loaded
@@ -131,6 +134,9 @@ struct ForwardRequest {
     bool truncate = false;              // the session may hold more than n_past tokens (drafts a
                                         // verification rejected): drop those first. A model whose
                                         // state cannot roll back drops the session (cache_mismatch)
+    bool mtp = false;                   // a tail with the MTP block: keep the block's cache in step
+                                        // with this forward (needs the token ids), so that
+                                        // draft_mtp can draft after it
 };
 
 struct ForwardResult {
@@ -173,6 +179,13 @@ public:
     // stall each other for good, so a caller that could not make sure its graph computes alone
     // (a worker that got no compute slot) computes at normal priority. A no-op at prio 0.
     virtual void use_priority(bool on) = 0;
+    // MTP drafting at the tail (load_mtp), after a forward with `mtp` set: the session keeps its
+    // first n_keep tokens (the rest were drafts its verification rejected) and `token` follows
+    // them. Returns up to max_draft greedy drafts of the tokens after `token`, from the MTP block
+    // chained on its own output as llama.cpp's MTP drafting does: fewer where n_ctx ends, none
+    // where the block's cache is not in step with the session (a forward came without `mtp`).
+    // Drafts are proposals: what the route outputs is decided by verifying them.
+    virtual std::vector<int32_t> draft_mtp(uint64_t session, int32_t n_keep, int32_t token, int32_t max_draft) = 0;
     virtual void release(uint64_t session) = 0;
     // release the session only while it is at `epoch` (a stream of an older epoch ending after a
     // route change must not drop the newer cache); returns whether it released

@@ -6,7 +6,8 @@ of SmolLM2 on loopback and behind simulated links of 10 ms one-way on every link
 threads per worker. Two tasks: a repetitive one (quote a given text), where drafts from the
 prompt should be accepted, and a free-form one, where they mostly are not and the head's
 controller should stop drafting. Plain and drafted generations alternate round by round over
-the same workers, so the ratio of a round sees one machine state.
+the same workers, so the ratio of a round sees one machine state (which goes first alternates
+from round to round).
 
 Every row reports decode tokens/s both ways, the speed-up, the acceptance rate (drafts accepted
 per draft verified), tokens per route trip, and, behind links, the physical floor of plain
@@ -14,8 +15,8 @@ decode (the whole model's compute per token in one process plus 3 one-way hops t
 delay). Greedy output must equal plain decode token for token; a difference fails the bench.
 Writes evidence/bench/bench-spec.json.
 
-MTP drafting on the V4 twin (the other half of DGR-069, the beta gate's metric) is not built:
-docs/mtp.md says what it needs.
+MTP drafts on the V4 twin (the other half of DGR-069, the beta gate's metric) are measured the
+same way by `nox -s bench-mtp` (dgr_bench.mtp).
 """
 
 from __future__ import annotations
@@ -61,20 +62,31 @@ def generation(route: Route, prompt: list[int]) -> tuple[list[int], float, Draft
 
 
 def compare(
-    addresses: list[str], prompts: dict[str, list[int]], engine: Any, latency_ms: float
+    addresses: list[str],
+    prompts: dict[str, list[int]],
+    engine: Any,
+    latency_ms: float,
+    draft: Draft | None = None,
+    n_rounds: int = ROUNDS,
 ) -> dict[str, Any]:
-    """Plain and drafted generation of every task, alternating, ROUNDS rounds: one row per task."""
+    """Plain and drafted generation of every task, alternating, ROUNDS rounds: one row per task
+    (drafts from prompt lookup unless `draft` says otherwise)."""
     plain = Route.open(addresses, timeout=120, peers=addresses)
-    drafted = Route.open(addresses, timeout=120, peers=addresses, draft=Draft("lookup"))
+    drafted = Route.open(addresses, timeout=120, peers=addresses, draft=draft or Draft("lookup"))
     rows: dict[str, Any] = {}
     try:
         for task, prompt in prompts.items():
             generation(plain, prompt)  # untimed: the first graphs of this prompt's shapes
             rounds = []
-            for _ in range(ROUNDS):
+            for k in range(n_rounds):
                 compute = 1 / engine_round(engine, prompt, 16)["decode"]
-                ref, t_plain, _ = generation(plain, prompt)
-                out, t_spec, usage = generation(drafted, prompt)
+                # which goes first alternates: the first after the in-process round starts colder
+                if k % 2 == 0:
+                    ref, t_plain, _ = generation(plain, prompt)
+                    out, t_spec, usage = generation(drafted, prompt)
+                else:
+                    out, t_spec, usage = generation(drafted, prompt)
+                    ref, t_plain, _ = generation(plain, prompt)
                 if out != ref:
                     raise AssertionError(f"{task}: drafted output differs from plain decode")
                 rounds.append((compute, t_plain, t_spec, usage))
@@ -82,7 +94,7 @@ def compare(
             drafted_n = sum(u.drafted for *_, u in rounds)
             accepted_n = sum(u.accepted for *_, u in rounds)
             steps = len(rounds) * (n + 1) - accepted_n  # every trip yields 1 + its accepted drafts
-            floor = statistics.median(c + len(LAYOUT) * latency_ms / 1000 for c, *_ in rounds)
+            floor = statistics.median(c + len(addresses) * latency_ms / 1000 for c, *_ in rounds)
             rows[task] = {
                 "plain_tps": round(n / statistics.median(r[1] for r in rounds), 2),
                 "drafted_tps": round(n / statistics.median(r[2] for r in rounds), 2),
@@ -92,6 +104,8 @@ def compare(
                 "accepted": accepted_n,
                 "tokens_per_trip": round(len(rounds) * (n + 1) / steps, 3),
                 "plain_floor_tps": round(1 / floor, 2),
+                # how far plain decode moved between rounds: the noise the ratio carries
+                "plain_spread": round(max(r[1] for r in rounds) / min(r[1] for r in rounds) - 1, 3),
                 "outputs_equal": True,
             }
     finally:

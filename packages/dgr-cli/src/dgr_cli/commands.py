@@ -226,8 +226,8 @@ def add_route_options(p: argparse.ArgumentParser) -> None:
         choices=["off", "lookup", "mtp"],
         default="off",
         help="speculative decoding (forward mode): lookup drafts from n-grams of the prompt and "
-        "the text so far, verified through the route in one trip; output equals plain decode. "
-        "mtp (DeepSeek V4's nextn block) is not built yet",
+        "the text so far; mtp drafts with the model's MTP block at the tail (a tail started with "
+        "--mtp). Drafts are verified through the route in one trip; output equals plain decode",
     )
     p.add_argument("--max-draft", type=int, default=8, help="drafts per step at most (1-16)")
     p.add_argument("--tls-ca", type=Path, help="PEM CA that signed the workers' certificates (TLS)")
@@ -277,7 +277,9 @@ def register_worker(sub: Any) -> None:
         "before waits for the rest of them (default: the worker's own; 0: never waits)",
     )
     p.add_argument(
-        "--mtp", action="store_true", help="serve the MTP block (reserved: refused in alpha)"
+        "--mtp",
+        action="store_true",
+        help="the tail also serves the model's MTP (nextn) block and drafts with it (--draft mtp)",
     )
     p.add_argument(
         "--links",

@@ -110,10 +110,11 @@ MAX_DRAFT = 16  # the workers' bound (native/worker/validate.h kMaxDraft)
 
 @dataclass
 class Draft:
-    """Speculative decoding (forward mode): the head drafts up to `max_draft` tokens a step by
-    prompt lookup over n-grams of `ngram_min`..`ngram_max` tokens, one forward of them crosses
-    the route, the tail verifies. The output equals plain decode; the head adapts the length to
-    the measured acceptance and step time and stops drafting where it does not pay."""
+    """Speculative decoding (forward mode): up to `max_draft` drafted tokens a step, from prompt
+    lookup at the head (n-grams of `ngram_min`..`ngram_max` tokens) or from the tail's MTP block
+    (`mtp`: a tail started with --mtp drafts with each token it returns); one forward of them
+    crosses the route, the tail verifies. The output equals plain decode; the head adapts the
+    length to the measured acceptance and step time and stops drafting where it does not pay."""
 
     source: str = "off"
     max_draft: int = 8
@@ -123,10 +124,6 @@ class Draft:
     def __post_init__(self) -> None:
         if self.source not in DRAFT_SOURCES:
             raise ValueError(f"draft {self.source!r} is not one of {', '.join(DRAFT_SOURCES)}")
-        if self.source == "mtp":
-            raise ValueError(
-                "draft 'mtp': MTP drafting is not built yet (docs/mtp.md); use 'lookup'"
-            )
         if not 1 <= self.max_draft <= MAX_DRAFT:
             raise ValueError(f"max_draft {self.max_draft} outside [1, {MAX_DRAFT}]")
         if not 1 <= self.ngram_min <= self.ngram_max <= 8:
@@ -141,6 +138,8 @@ class Draft:
     def message(self) -> pb.Draft:
         if not self.on:
             return pb.Draft()
+        if self.source == "mtp":  # no n-grams; the head tells the tail how many to propose
+            return pb.Draft(source=pb.DRAFT_SOURCE_MTP, max_draft=self.max_draft)
         return pb.Draft(
             source=DRAFT_SOURCES[self.source],
             max_draft=self.max_draft,
@@ -450,7 +449,8 @@ class Route:
                         max_tokens=max_tokens if last else 0,
                         stop_ids=sorted(stop or ()),
                         token_interval_ms=self.token_interval_ms,
-                        draft=self.draft.message() if last else None,
+                        # MTP: on every chunk (the tail's MTP block follows each forward)
+                        draft=self.draft.message() if last or self.draft.source == "mtp" else None,
                     )
                 )
                 prefix = prefix_hash(tokens, prefix)
@@ -555,6 +555,13 @@ def fit_draft(draft: Draft, stages: list[Stage]) -> Draft:
                 "cannot drop rejected drafts (its state is not positional and it keeps no "
                 "snapshots: start it with --rollback N)",
             )
+    tail = stages[-1]
+    if draft.source == "mtp" and not tail.describe.mtp:
+        raise RouteError(
+            tail.index,
+            tail.address,
+            "does not serve the MTP block that MTP drafts come from (start the tail with --mtp)",
+        )
     limit = min(s.describe.max_rollback for s in stages)
     return replace(draft, max_draft=min(draft.max_draft, limit))
 
