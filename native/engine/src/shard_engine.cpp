@@ -486,6 +486,18 @@ public:
     }
 
     void forward_batch(std::vector<BatchItem> & items) override {
+        // a staged boundary (DeepSeek V4) serves exactly one ubatch, and llama.cpp splits a V4
+        // batch of several sequences into a ubatch per sequence (its caches keep a stream per
+        // sequence): such a stage computes its sessions one llama_decode each, never aborting
+        if (staged_boundary_ && !desc_.is_head && items.size() > 1) {
+            for (auto & item : items) {
+                std::vector<BatchItem> one(1);
+                one[0] = std::move(item);
+                forward_batch(one);
+                item = std::move(one[0]);
+            }
+            return;
+        }
         const int32_t n_embd = desc_.boundary.n_embd * desc_.boundary.hc;  // one residual row
         std::lock_guard<std::mutex> lock(mutex_);
         // admit each item on its own: a refused one gets its error and leaves its session as it
