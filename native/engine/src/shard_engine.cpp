@@ -673,11 +673,7 @@ public:
         for (int32_t i = 0; i < max_draft; ++i) {
             // the token at position n_keep + i with the residual before it predicts the next one
             llama_batch_ext_clear(mtp_batch_.get());
-            const int32_t idx = llama_batch_ext_add_token(mtp_batch_.get(), s.seq, tok);
-            const llama_pos pos = n_keep + i;
-            llama_batch_ext_set_pos(mtp_batch_.get(), idx, &pos);
-            llama_batch_ext_set_embd_token(mtp_batch_.get(), idx, llama_embd{cur.data(), 1, width});
-            llama_batch_ext_set_output_logits(mtp_batch_.get(), idx, true);
+            mtp_add(s.seq, tok, n_keep + i, cur.data(), true);
             const int32_t rc = llama_process(mtp_, LLAMA_PROCESS_TYPE_DECODE, mtp_batch_.get());
             if (rc != 0) {
                 llama_memory_seq_rm(mem, s.seq, n_keep, -1);
@@ -778,13 +774,7 @@ private:
         llama_memory_t mem = llama_get_memory(mtp_);
         llama_memory_seq_rm(mem, s.seq, t.n, -1);  // drafts made past it
         llama_batch_ext_clear(mtp_batch_.get());
-        for (int32_t i = 0; i < m; ++i) {
-            const int32_t idx = llama_batch_ext_add_token(mtp_batch_.get(), s.seq, t.tokens[(size_t) i]);
-            const llama_pos pos = t.n + i;
-            llama_batch_ext_set_pos(mtp_batch_.get(), idx, &pos);
-            llama_batch_ext_set_embd_token(mtp_batch_.get(), idx, llama_embd{t.rows.data() + (size_t) i * width, 1, width});
-            llama_batch_ext_set_output_logits(mtp_batch_.get(), idx, false);
-        }
+        for (int32_t i = 0; i < m; ++i) mtp_add(s.seq, t.tokens[(size_t) i], t.n + i, t.rows.data() + (size_t) i * width, false);
         const int32_t rc = llama_process(mtp_, LLAMA_PROCESS_TYPE_DECODE, mtp_batch_.get());
         pause_pool();
         if (rc != 0) {
@@ -807,6 +797,14 @@ private:
         t.n += (int32_t) drop;
         t.tokens.erase(t.tokens.begin(), t.tokens.begin() + (long) drop);
         t.rows.erase(t.rows.begin(), t.rows.begin() + (long) (drop * mtp_width()));
+    }
+
+    // one entry of the MTP batch: the token at `pos` with the residual it pairs with
+    void mtp_add(llama_seq_id seq, int32_t token, llama_pos pos, const float * row, bool output) {
+        const int32_t idx = llama_batch_ext_add_token(mtp_batch_.get(), seq, token);
+        llama_batch_ext_set_pos(mtp_batch_.get(), idx, &pos);
+        llama_batch_ext_set_embd_token(mtp_batch_.get(), idx, llama_embd{row, 1, mtp_width()});
+        llama_batch_ext_set_output_logits(mtp_batch_.get(), idx, output);
     }
 
     size_t mtp_width() const { return (size_t) desc_.boundary.n_embd * (size_t) mtp_hc_; }
