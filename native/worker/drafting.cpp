@@ -51,8 +51,12 @@ std::vector<int32_t> PromptLookup::propose(int32_t max_draft) const {
     return {};
 }
 
-DraftController::DraftController(int32_t max_draft, double units_per_draft)
-    : max_draft_(max_draft), units_(units_per_draft), probe_every_(kProbeEvery) {}
+DraftController::DraftController(int32_t max_draft, double units_per_draft, bool shadowed)
+    : max_draft_(max_draft),
+      units_(units_per_draft),
+      shadowed_(shadowed),
+      trials_(shadowed ? 3.0 : 2.0),
+      probe_every_(kProbeEvery) {}
 
 double DraftController::acceptance() const { return hits_ / trials_; }
 
@@ -71,12 +75,12 @@ int32_t DraftController::best(int32_t limit, int32_t since) const {
             best_rate = rate;
         }
     }
-    if (k_best == 0 && since >= probe_every_) k_best = 1;  // is drafting paying yet?
+    if (k_best == 0 && !shadowed_ && since >= probe_every_) k_best = 1;  // is drafting paying yet?
     return k_best;
 }
 
 DraftChoice DraftController::next(int32_t proposal_limit) {
-    if (proposal_limit < 1 || plain_seen_ < kWarmup) return {};
+    if (proposal_limit < 1 || plain_seen_ < kWarmup || (shadowed_ && trials_seen_ == 0)) return {};
     ++since_draft_;
     if (draft_seen_ > 0 && ++steps_ % kPlainEvery == 0) return {};
     if (draft_seen_ == 0) beta_ = 0.25 * t0_;  // (per unit)
@@ -98,7 +102,14 @@ void DraftController::observe(int32_t drafted, int32_t accepted, double seconds,
     if (probe) {  // a probe that failed waits twice as long for the next; one that held resets
         probe_every_ = accepted == 0 ? std::min(2 * probe_every_, kProbeMax) : kProbeEvery;
     }
+    count(drafted, accepted);
+}
+
+void DraftController::shadow(bool accepted) { count(1, accepted ? 1 : 0); }
+
+void DraftController::count(int32_t drafted, int32_t accepted) {
     // each draft up to the first rejection was a trial; the rejection (if any) one more
+    ++trials_seen_;
     hits_ = kKeep * hits_ + accepted;
     trials_ = kKeep * trials_ + accepted + (accepted < drafted ? 1 : 0);
 }

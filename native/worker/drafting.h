@@ -36,9 +36,16 @@ private:
 // 2 where the tail drafts a step ahead (making the draft with the MTP block, then verifying it;
 // a step is timed with the units it carried, so the making is counted where it happened, often
 // in a step that verified nothing). The controller picks the k in [0, max_draft] with the most tokens
-// per second; where drafts are rarely accepted that is k = 0, plain decode, and a one-draft probe
-// notices when they start to be: after 16 steps, then after twice as many as before each time a
-// probe is rejected (at most 256), back to 16 when one is accepted.
+// per second; where drafts are rarely accepted that is k = 0, plain decode.
+// How it notices when drafts start to be accepted depends on the source:
+// - shadowed (prompt lookup): proposals cost nothing to make, so in a plain step the head still
+//   proposes the next token and checks it against the token that comes back (`shadow`), one free
+//   trial of p per step; such a controller never sends a probe, and it drafts only after its
+//   first trial (prior 1/3: a first proposal that held makes p 1/2, one that failed keeps
+//   drafting off);
+// - otherwise (MTP: making a draft costs the tail a pass of its block): a one-draft probe, after
+//   16 steps, then after twice as many as before each time a probe is rejected (at most 256), back
+//   to 16 when one is accepted.
 struct DraftChoice {
     int32_t k = 0;       // drafts (0: a plain step)
     bool probe = false;  // a probe: drafting does not pay by the estimates, but is it paying yet?
@@ -46,20 +53,25 @@ struct DraftChoice {
 
 class DraftController {
 public:
-    explicit DraftController(int32_t max_draft, double units_per_draft = 1.0);
+    DraftController(int32_t max_draft, double units_per_draft, bool shadowed);
     DraftChoice next(int32_t proposal_limit);  // drafts for the next step to draft for
     // a step that verified `drafted` drafts (`probe`: as a probe) and did `cost_units` units of
     // drafting work in all
     void observe(int32_t drafted, int32_t accepted, double seconds, int32_t cost_units, bool probe);
+    // a one-token proposal checked against the token plain decode produced instead of being
+    // sent (shadowed controllers)
+    void shadow(bool accepted);
     double acceptance() const;             // p, the estimate
 
 private:
     int32_t best(int32_t limit, int32_t since) const;  // the k with the most tokens per second
+    void count(int32_t drafted, int32_t accepted);      // drafts verified (or shadowed): p's counts
     int32_t max_draft_;
     double units_;                           // drafting work per draft
     double t0_ = 0.0, beta_ = 0.0;           // seconds, moving averages
-    double hits_ = 1.0, trials_ = 2.0;       // decayed counts behind p (prior 1/2)
-    int32_t plain_seen_ = 0, draft_seen_ = 0, since_draft_ = 0, steps_ = 0;
+    bool shadowed_;
+    double hits_ = 1.0, trials_;             // decayed counts behind p (prior 1/2, shadowed 1/3)
+    int32_t plain_seen_ = 0, draft_seen_ = 0, since_draft_ = 0, steps_ = 0, trials_seen_ = 0;
     int32_t probe_every_;      // steps of plain decode before a probe
 };
 

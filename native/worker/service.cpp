@@ -493,6 +493,7 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
     int32_t in_flight_drafts = 0, in_flight_proposed = 0;  // MTP: drafts the tail makes with the step
     bool in_flight_probe = false;
     DraftChoice planned;  // MTP: the drafts the step in flight asked the tail for, chosen a step ahead
+    int32_t shadow = -1;  // lookup, after a plain step: the token it would have drafted, or -1
     auto step_sent = std::chrono::steady_clock::now();
     // tokens go to the coordinator coalesced, at most one reply per token_interval_ms: every reply
     // wakes a coordinator whose threads would otherwise take CPU from a stage computing
@@ -560,11 +561,11 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                         if (ev.req.draft().source() == dgr::v1::DRAFT_SOURCE_LOOKUP) {
                             const auto & d = ev.req.draft();
                             lookup = std::make_unique<PromptLookup>((int32_t) d.ngram_min(), (int32_t) d.ngram_max());
-                            drafts = std::make_unique<DraftController>((int32_t) d.max_draft());
+                            drafts = std::make_unique<DraftController>((int32_t) d.max_draft(), 1.0, true);
                             step.mutable_expect()->set_truncate(true);
                         } else if (mtp_chunk) {
                             mtp = true;
-                            drafts = std::make_unique<DraftController>((int32_t) ev.req.draft().max_draft(), 2.0);
+                            drafts = std::make_unique<DraftController>((int32_t) ev.req.draft().max_draft(), 2.0, false);
                             *step.mutable_draft() = ev.req.draft();  // every step: the tail's block follows
                             step.mutable_expect()->set_truncate(true);
                         }
@@ -599,7 +600,10 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                 const int32_t n_out = 1 + ev.reply.more_tokens_size();
                 for (int32_t i = 0; i < n_out && !last; ++i, ++kept) {
                     token = i == 0 ? ev.reply.token().token_id() : ev.reply.more_tokens(i - 1).token_id();
-                    if (lookup) lookup->add(token);
+                    if (lookup) {
+                        if (i == 0 && shadow >= 0) drafts->shadow(token == shadow);
+                        lookup->add(token);
+                    }
                     last = ++generated >= max_tokens || stop.count(token) > 0;
                 }
                 if (kept < n_out) {  // past the last token wanted: not the route's output
@@ -639,6 +643,10 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                         const DraftChoice c = drafts->next(limit);
                         for (int32_t d : lookup->propose(c.k)) step.add_token_ids(d);
                         in_flight_probe = c.probe;
+                        // a plain step: what lookup would have drafted first is checked against
+                        // the token that comes back instead
+                        const std::vector<int32_t> next = c.k == 0 ? lookup->propose(1) : std::vector<int32_t>{};
+                        shadow = next.empty() ? -1 : next[0];
                     } else {
                         // MTP drafts are made a step ahead: this step verifies what was chosen a
                         // step ago (as far as the tail made them), and asks for the next choice

@@ -68,6 +68,26 @@ def test_greedy_drafted_output_equals_plain_decode(
     drafted.close()
 
 
+def test_lookup_sends_no_draft_its_proposals_would_not_have_kept(
+    workers: dict[tuple[int, int], WorkerProcess], smollm2: Path, engine_module: ModuleType
+) -> None:
+    """The head checks what prompt lookup would draft against the tokens plain decode returns
+    (for free) and drafts only once a proposal held: on free-form text, whose n-grams recur
+    without the continuation recurring, not one draft crosses the route."""
+    plain, drafted = routes(workers, 3)
+    prompt = list(
+        engine_module.Vocabulary(str(smollm2)).tokenize(
+            "Write a short story about a lighthouse keeper who finds a strange map.\n\n"
+        )
+    )
+    usage = DraftUsage()
+    got = [int(r.token_id) for r in drafted.results(prompt, 64, usage=usage)]
+    assert got == list(plain.generate(prompt, 64))
+    assert usage.drafted == 0, usage
+    plain.close()
+    drafted.close()
+
+
 def test_sampled_drafted_output_equals_plain_decode(
     workers: dict[tuple[int, int], WorkerProcess], quote: list[int]
 ) -> None:

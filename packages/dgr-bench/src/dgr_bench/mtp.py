@@ -13,10 +13,11 @@ The twin's weights are random, so its MTP block rarely guesses the next token: t
 records is the twin's, not a claim about DeepSeek V4's trained block, and what the rows show is
 the price of drafting that does not pay: the head's controller should stop asking for drafts
 after a few, probing now and then. The beta gate's `mtp.speedup_vs_plain_decode` (>= 1.0: MTP
-drafting never slows decode down) is the geometric mean of the rows' speed-ups, each the median
-of ROUNDS paired rounds; the smallest row is recorded beside it (`speedup_min_row`), and so is
-how far plain decode itself moved between rounds (`plain_spread`), the noise any one row
-carries on this machine. Writes evidence/bench/bench-mtp.json.
+drafting never slows decode down) is the geometric mean of the rows' speed-ups, each itself the
+geometric mean of ROUNDS paired rounds; the smallest row is recorded beside it
+(`speedup_min_row`), and so is how far plain decode itself moved between rounds
+(`plain_spread`), the noise any one row carries on this machine. Writes
+evidence/bench/bench-mtp.json.
 """
 
 from __future__ import annotations

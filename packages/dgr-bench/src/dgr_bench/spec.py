@@ -13,6 +13,9 @@ Every row reports decode tokens/s both ways, the speed-up, the acceptance rate (
 per draft verified), tokens per route trip, and, behind links, the physical floor of plain
 decode (the whole model's compute per token in one process plus 3 one-way hops times the
 delay). Greedy output must equal plain decode token for token; a difference fails the bench.
+Beside the rows, per thread count, what one verifying forward of 1, 2, 4 and 9 tokens costs the
+whole model in one process (`verify_ms`): the price of a draft, which bounds what drafting can
+gain where the trip is cheap.
 Writes evidence/bench/bench-spec.json.
 
 MTP drafts on the V4 twin (the other half of DGR-069, the beta gate's metric) are measured the
@@ -36,7 +39,8 @@ from dgr_bench.bench_wan import linked
 
 LAYOUT = [(0, 10), (10, 20), (20, 30)]
 DECODE_TOKENS = 64
-ROUNDS = 3
+ROUNDS = 5
+VERIFY_ROWS = (1, 2, 4, 9)  # tokens in one verifying forward: the last accepted + drafts
 LATENCIES_MS = (0, 10)
 THREADS = (1, 2)
 QUOTED = (
@@ -59,6 +63,25 @@ def generation(route: Route, prompt: list[int]) -> tuple[list[int], float, Draft
     t0 = time.perf_counter()
     tokens += [int(r.token_id) for r in stream]
     return tokens, time.perf_counter() - t0, usage
+
+
+def verify_ms(engine: Any, prompt: list[int], repeats: int = 15) -> dict[str, float]:
+    """Median milliseconds of one forward of n tokens with logits for every row, after the prompt
+    (what the tail computes to verify n - 1 drafts), for each n in VERIFY_ROWS."""
+    import numpy as np
+
+    engine.forward(1, 1, 0, tokens=np.array(prompt, np.int32))
+    costs = {}
+    for n in VERIFY_ROWS:
+        rows = np.array(prompt[:n], np.int32)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.forward(1, 1, len(prompt), tokens=rows, logits_all=True, truncate=True)
+            times.append(time.perf_counter() - t0)
+        costs[str(n)] = round(1000 * statistics.median(times), 2)
+    engine.release(1)
+    return costs
 
 
 def compare(
@@ -98,7 +121,8 @@ def compare(
             rows[task] = {
                 "plain_tps": round(n / statistics.median(r[1] for r in rounds), 2),
                 "drafted_tps": round(n / statistics.median(r[2] for r in rounds), 2),
-                "speedup": round(statistics.median(r[1] / r[2] for r in rounds), 3),
+                # the geometric mean of the paired rounds' ratios
+                "speedup": round(statistics.geometric_mean(r[1] / r[2] for r in rounds), 3),
                 "acceptance": round(accepted_n / drafted_n, 3) if drafted_n else 0.0,
                 "drafted": drafted_n,
                 "accepted": accepted_n,
@@ -137,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     gate: dict[str, float] = {}
     for threads in args.threads:
         engine = load().Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
+        verify = verify_ms(engine, prompts["repetitive"])
+        print(f"{threads}t verifying forward of n tokens, in process: {verify} ms", flush=True)
         workers: list[WorkerProcess] = [
             start_worker(model, a, b, descriptor=descriptor, threads=threads, n_ctx=1024)
             for a, b in LAYOUT
@@ -164,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             for w in workers:
                 w.stop()
             del engine
-        result["by_threads"][str(threads)] = by_latency
+        result["by_threads"][str(threads)] = {"verify_ms": verify, **by_latency}
     gate["lookup_speedup_min"] = min(gate.values())
     result["gate_metrics"] = {"bench_spec": gate}
     result["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -13,7 +13,9 @@ every layout and model:
   bytes that crossed each seam per token are counted. One more run per layout decodes with
   prompt-lookup drafts (speculative decoding) from a prompt that says its first third three
   times, against that prompt's single-process reference: the same greedy tokens (required) and
-  whether the logits are bitwise equal too, with the drafts verified and kept counted.
+  whether the logits are bitwise equal too, with the drafts verified and kept counted. On a
+  model with an MTP block (the V4 twins) the tail worker serves it (`--mtp`) in every run, and
+  one more run decodes that prompt with the tail's MTP drafts, under the same requirement.
 
 `nox -s parity -- --distributed --model dsv4-twin --stages 2 3 4 11 --workers`
 """
@@ -88,6 +90,14 @@ def structure(model: Path) -> ModelStructure:
     )
 
 
+def shape_has_mtp(model: Path) -> bool:
+    """Whether the model carries an MTP (nextn) block a tail can serve."""
+    from dgr_artifacts.identity import open_model
+
+    kv = open_model(model).kv
+    return int(kv.get(f"{kv['general.architecture']}.nextn_predict_layers", 0)) > 0
+
+
 def free_run(
     model: Path, layout: list[tuple[int, int]], dtype: str, prompt: np.ndarray, steps: int
 ) -> list[np.ndarray]:
@@ -97,17 +107,20 @@ def free_run(
 
 
 def over_workers(
-    model: Path, scenario: Scenario, prompt: np.ndarray, runs: list[Run]
+    model: Path, scenario: Scenario, prompt: np.ndarray, runs: list[Run], mtp: bool = False
 ) -> list[WorkerResult]:
     """For each run: the route's logits against its reference (the single-process run for an
     f32 wire, the same layout in one process with the same rounding for f16/bf16), over one set
-    of workers."""
+    of workers (the tail serving the model's MTP block when `mtp`)."""
     descriptor = descriptor_args(model)
     workers = []
     results = []
     try:
-        for a, b in scenario.layout:
-            workers.append(start_worker(model, a, b, descriptor=descriptor, n_ctx=1024))
+        for i, (a, b) in enumerate(scenario.layout):
+            tail_mtp = ["--mtp"] if mtp and i == len(scenario.layout) - 1 else []
+            workers.append(
+                start_worker(model, a, b, descriptor=descriptor, n_ctx=1024, extra=tail_mtp)
+            )
         for run in runs:
             t0 = time.perf_counter()
             route = Route.open(
@@ -149,13 +162,32 @@ def over_workers(
     return results
 
 
-def lookup_cell(drafted: list[WorkerResult]) -> str:
-    """The lookup run's verdict: bits (logits bitwise equal), tokens (the same greedy tokens,
-    logits within rounding), NO (different tokens)."""
-    if not drafted:
+def drafted_cell(runs: list[WorkerResult], source: str) -> str:
+    """A drafted run's verdict: bits (logits bitwise equal), tokens (the same greedy tokens,
+    logits within rounding), NO (different tokens), and the drafts kept of those verified."""
+    found = [r for r in runs if r.draft == source]
+    if not found:
         return "-"
-    run = drafted[0]
-    return "bits" if run.bitwise_equal else "tokens" if run.greedy_identical else "NO"
+    run = found[0]
+    verdict = "bits" if run.bitwise_equal else "tokens" if run.greedy_identical else "NO"
+    return f"{verdict} {run.accepted}/{run.drafted}"
+
+
+def drafted_metrics(runs: list[WorkerResult], source: str) -> dict[str, Any]:
+    """One draft source's runs over every layout: the same greedy tokens as one process
+    (required), whether the logits are bitwise equal too (a verified step computes its rows in
+    one batch: SmolLM2's kernels give the same bits, V4's attention and compressors differ in the
+    last bits for a multi-token batch), and the drafts the tails kept of those they verified."""
+    found = [w for w in runs if w.draft == source]
+    return {
+        f"workers_{source}_greedy_identical": all(w.greedy_identical for w in found)
+        if found
+        else None,
+        f"workers_{source}_all_bitwise": all(w.bitwise_equal for w in found) if found else None,
+        f"workers_{source}_max_abs_logit_diff": max((w.max_abs_diff for w in found), default=0.0),
+        f"workers_{source}_drafted": sum(w.drafted for w in found),
+        f"workers_{source}_accepted": sum(w.accepted for w in found),
+    }
 
 
 def certify(
@@ -170,6 +202,7 @@ def certify(
     from dgr_native import load
 
     shape = structure(model)
+    mtp = shape_has_mtp(model)
     scenarios = generate(shape, [k for k in stages if k <= shape.n_layer], seed)
     whole = load().Engine(str(model), n_ctx=1024).describe()
     rng = np.random.default_rng(seed)
@@ -187,7 +220,7 @@ def certify(
     )
     print(
         f"{'layout':<40}{'seams':<32}{'f32':>5}{'bf16 NMSE':>11}{'top1':>6}{'top5':>6}"
-        f"{'forward':>9}{'relay':>7}{'lookup':>8}{'kept':>8}{'bf16 wire':>10}{'B/tok/seam':>12}"
+        f"{'forward':>9}{'relay':>7}{'lookup':>14}{'mtp':>14}{'bf16 wire':>10}{'B/tok/seam':>12}"
     )
     in_process: list[tuple[Scenario, ParityResult]] = []
     over: list[WorkerResult] = []
@@ -208,7 +241,9 @@ def certify(
                     Run("forward", "bf16", bf16_ref),
                     Run("relay", "bf16", bf16_ref),
                     Run("forward", "f32", quote_logits, "lookup", quoting),
+                    *([Run("forward", "f32", quote_logits, "mtp", quoting)] if mtp else []),
                 ],
+                mtp=mtp,
             )
             over += runs
 
@@ -218,7 +253,6 @@ def certify(
             ]
             return ("yes" if found[0].bitwise_equal else "NO") if found else "-"
 
-        drafted = [r for r in runs if r.draft != "off"]
         relay = [r for r in runs if r.mode == "relay" and r.wire_dtype == "f32"]
         wire = sum(relay[0].seam_bytes_per_token.values()) if relay else 0
         bf16_equal = all(r.bitwise_equal for r in runs if r.wire_dtype == "bf16")
@@ -227,8 +261,7 @@ def certify(
             f"{'yes' if f32.bitwise_equal else 'NO':>5}{bf16.nmse:>11.2e}"
             f"{bf16.top1_agreement:>6.2f}{bf16.top5_overlap:>6.2f}"
             f"{cell('forward', 'f32'):>9}{cell('relay', 'f32'):>7}"
-            f"{lookup_cell(drafted):>8}"
-            f"{f'{drafted[0].accepted}/{drafted[0].drafted}' if drafted else '-':>8}"
+            f"{drafted_cell(runs, 'lookup'):>14}{drafted_cell(runs, 'mtp'):>14}"
             f"{('yes' if bf16_equal else 'NO') if runs else '-':>10}"
             f"{f'{wire:.0f}' if runs else '-':>12}",
             flush=True,
@@ -237,7 +270,6 @@ def certify(
     plain = [w for w in over if w.draft == "off"]
     by_worker = {(w.scenario, w.mode): w for w in plain if w.wire_dtype == "f32"}
     by_worker_bf16 = {(w.scenario, w.mode): w for w in plain if w.wire_dtype == "bf16"}
-    drafted_runs = [w for w in over if w.draft != "off"]
     per_layout: dict[str, dict[str, Any]] = {}
     for sc, r in in_process:
         entry = per_layout.setdefault(sc.name, {"seams": ",".join(map(str, sc.seams))})
@@ -276,22 +308,11 @@ def certify(
         "workers_all_bitwise": all(w.bitwise_equal and w.greedy_identical for w in plain)
         if plain
         else None,
-        # speculative decoding (prompt lookup) over every layout: the same greedy tokens as one
-        # process (required), whether the logits are bitwise equal too (a verified step computes
-        # its rows in one batch: SmolLM2's kernels give the same bits, V4's attention and
-        # compressors differ in the last bits for a multi-token batch), and the drafts the tails
-        # kept of those they verified
-        "workers_lookup_greedy_identical": all(w.greedy_identical for w in drafted_runs)
-        if drafted_runs
-        else None,
-        "workers_lookup_all_bitwise": all(w.bitwise_equal for w in drafted_runs)
-        if drafted_runs
-        else None,
-        "workers_lookup_max_abs_logit_diff": max(
-            (w.max_abs_diff for w in drafted_runs), default=0.0
-        ),
-        "workers_lookup_drafted": sum(w.drafted for w in drafted_runs),
-        "workers_lookup_accepted": sum(w.accepted for w in drafted_runs),
+        # speculative decoding over every layout: prompt lookup, and the tail's MTP block where
+        # the model has one (the plain runs above then also ran with the tail serving it)
+        **drafted_metrics(over, "lookup"),
+        **(drafted_metrics(over, "mtp") if mtp else {}),
+        "workers_tail_mtp": mtp if workers else None,
         "bf16_nmse_max": max(r.nmse for r in bf16_runs),
         "bf16_top1_min": min(r.top1_agreement for r in bf16_runs),
         "bf16_top5_min": min(r.top5_overlap for r in bf16_runs),
@@ -361,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         if not r["metrics"]["in_process_f32_all_bitwise"]
         or r["metrics"]["workers_all_bitwise"] is False
         or r["metrics"]["workers_lookup_greedy_identical"] is False
+        or r["metrics"].get("workers_mtp_greedy_identical") is False
     ]
     for name in failed:
         print(f"PARITY FAILED: {name}: an f32 layout differs from the single-process run")
