@@ -18,6 +18,10 @@ whole model in one process (`verify_ms`): the price of a draft, which bounds wha
 gain where the trip is cheap.
 Writes evidence/bench/bench-spec.json.
 
+`-- --sweep` instead caps the head's draft length at each of SWEEP_CAPS on the repetitive task
+behind 10 ms links (the controller still adapts below the cap): whether any fixed ceiling beats
+what the controller chose. Writes evidence/bench/bench-spec-sweep.json.
+
 MTP drafts on the V4 twin (the other half of DGR-069, the beta gate's metric) are measured the
 same way by `nox -s bench-mtp` (dgr_bench.mtp).
 """
@@ -40,6 +44,7 @@ from dgr_bench.bench_wan import linked
 LAYOUT = [(0, 10), (10, 20), (20, 30)]
 DECODE_TOKENS = 64
 ROUNDS = 5
+SWEEP_CAPS = (1, 2, 4, 8, 16)
 VERIFY_ROWS = (1, 2, 4, 9)  # tokens in one verifying forward: the last accepted + drafts
 LATENCIES_MS = (0, 10)
 THREADS = (1, 2)
@@ -138,6 +143,25 @@ def compare(
     return rows
 
 
+def sweep(
+    direct: list[str], prompts: dict[str, list[int]], engine: Any, threads: int
+) -> dict[str, Any]:
+    """The repetitive task behind 10 ms links with max_draft capped at each of SWEEP_CAPS."""
+    rows: dict[str, Any] = {}
+    with linked(direct, 10) as addresses:
+        for cap in SWEEP_CAPS:
+            draft = Draft("lookup", max_draft=cap)
+            task = {"repetitive": prompts["repetitive"]}
+            r = compare(addresses, task, engine, 10, draft)["repetitive"]
+            rows[f"max_draft_{cap}"] = r
+            print(
+                f"{threads}t 10 ms repetitive max_draft {cap:>2}: x{r['speedup']:.2f}  "
+                f"{r['tokens_per_trip']:.2f} tok/trip  acceptance {r['acceptance']:.2f}",
+                flush=True,
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     from dgr_artifacts.models import model_path
     from dgr_native import load
@@ -145,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dgr_bench.spec")
     parser.add_argument("--model", default="smollm2-135m-q4_1")
     parser.add_argument("--threads", type=int, nargs="+", default=list(THREADS))
+    parser.add_argument("--sweep", action="store_true", help="cap max_draft, 10 ms, repetitive")
     args = parser.parse_args(argv)
     model = model_path(args.model)
     descriptor = descriptor_args(model)
@@ -169,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
         by_latency: dict[str, Any] = {}
         try:
-            for latency in LATENCIES_MS:
+            if args.sweep:
+                by_latency = sweep([w.address for w in workers], prompts, engine, threads)
+            for latency in () if args.sweep else LATENCIES_MS:
                 direct = [w.address for w in workers]
                 if latency == 0:  # loopback: no proxy in the way
                     rows = compare(direct, prompts, engine, latency)
@@ -191,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                 w.stop()
             del engine
         result["by_threads"][str(threads)] = {"verify_ms": verify, **by_latency}
+    if args.sweep:
+        result["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        write_bench("bench-spec-sweep", result)
+        return 0
     gate["lookup_speedup_min"] = min(gate.values())
     result["gate_metrics"] = {"bench_spec": gate}
     result["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

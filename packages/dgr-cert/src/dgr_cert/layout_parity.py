@@ -41,6 +41,13 @@ from dgr_wire.codec import REAL_V4, seam_bytes
 
 DEFAULT_MODELS = ["smollm2-135m-q4_1", "dsv4-twin-quick"]
 LOOKUP_DECODE = 48  # decode steps of the prompt-lookup run
+# A drafted run whose greedy tokens leave the reference's is a rounding tie when the route's logits
+# up to that step stay within this NMSE of the reference's (a verified step computes its rows in
+# one batch; on the V4 twins that rounds the logits by up to ~1e-3 NMSE, the bf16 boundary by up
+# to ~2e-3, while a wrong cache or rollback gives order 1); the reference's margin of its token
+# over the route's there is recorded. The random twins' logits lie within 1e-3 of each
+# other at many steps, so such a step can go either way.
+TIE_NMSE = 1e-2
 
 
 @dataclass
@@ -71,6 +78,17 @@ class WorkerResult:
     draft: str = "off"  # speculative decoding: drafts verified and accepted on the way
     drafted: int = 0
     accepted: int = 0
+    # where the greedy tokens first differ from the reference (None: nowhere), the reference's
+    # margin of its token over the route's there, and the largest NMSE of the route's logits up
+    # to that step
+    first_divergence: int | None = None
+    divergence_margin: float = 0.0
+    nmse_to_divergence: float = 0.0
+
+    @property
+    def tie(self) -> bool:
+        """Greedy tokens that differ only where rounding decided a near-tie (see TIE_NMSE)."""
+        return self.first_divergence is not None and self.nmse_to_divergence <= TIE_NMSE
 
 
 def structure(model: Path) -> ModelStructure:
@@ -137,6 +155,17 @@ def over_workers(
                 route.close()
             got = np.stack([logits for _, logits in trace])
             want = np.stack(run.ref_logits)
+            route_tokens = [t for t, _ in trace]
+            ref_tokens = [int(np.argmax(x)) for x in run.ref_logits]
+            first = next(
+                (
+                    i
+                    for i, (a, b) in enumerate(zip(route_tokens, ref_tokens, strict=True))
+                    if a != b
+                ),
+                None,
+            )
+            upto = len(trace) if first is None else first + 1
             results.append(
                 WorkerResult(
                     scenario=scenario.name,
@@ -147,13 +176,17 @@ def over_workers(
                     bitwise_equal=bool(np.array_equal(got.view(np.uint32), want.view(np.uint32))),
                     max_abs_diff=float(np.max(np.abs(got - want))),
                     top5_overlap=top_k_overlap(got, want, 5),
-                    greedy_identical=[t for t, _ in trace]
-                    == [int(np.argmax(x)) for x in run.ref_logits],
+                    greedy_identical=first is None,
                     seam_bytes_per_token=route.wire.per_token(),
                     seconds=time.perf_counter() - t0,
                     draft=run.draft,
                     drafted=usage.drafted,
                     accepted=usage.accepted,
+                    first_divergence=first,
+                    divergence_margin=0.0
+                    if first is None
+                    else float(want[first, ref_tokens[first]] - want[first, route_tokens[first]]),
+                    nmse_to_divergence=max(nmse(got[i], want[i]) for i in range(upto)),
                 )
             )
     finally:
@@ -162,27 +195,50 @@ def over_workers(
     return results
 
 
+def nmse(got: np.ndarray, want: np.ndarray) -> float:
+    """Normalised mean squared error, as the in-process comparison computes it."""
+    return float(np.mean((got - want) ** 2) / np.mean(want**2))
+
+
 def drafted_cell(runs: list[WorkerResult], source: str) -> str:
     """A drafted run's verdict: bits (logits bitwise equal), tokens (the same greedy tokens,
-    logits within rounding), NO (different tokens), and the drafts kept of those verified."""
+    logits within rounding), tie@N (the tokens first differ at step N, a near-tie that rounding
+    decided: see TIE_NMSE), NO (different tokens otherwise), and the drafts kept of those
+    verified."""
     found = [r for r in runs if r.draft == source]
     if not found:
         return "-"
     run = found[0]
-    verdict = "bits" if run.bitwise_equal else "tokens" if run.greedy_identical else "NO"
+    verdict = (
+        "bits"
+        if run.bitwise_equal
+        else "tokens"
+        if run.greedy_identical
+        else f"tie@{run.first_divergence}"
+        if run.tie
+        else "NO"
+    )
     return f"{verdict} {run.accepted}/{run.drafted}"
 
 
 def drafted_metrics(runs: list[WorkerResult], source: str) -> dict[str, Any]:
-    """One draft source's runs over every layout: the same greedy tokens as one process
-    (required), whether the logits are bitwise equal too (a verified step computes its rows in
-    one batch: SmolLM2's kernels give the same bits, V4's attention and compressors differ in the
-    last bits for a multi-token batch), and the drafts the tails kept of those they verified."""
+    """One draft source's runs over every layout: whether the greedy tokens equal one process's,
+    and where not, whether every divergence is a rounding tie (required: `_explained`); whether
+    the logits are bitwise equal too (a verified step computes its rows in one batch: SmolLM2's
+    kernels give the same bits, V4's attention and compressors differ in the last bits for a
+    multi-token batch); and the drafts the tails kept of those they verified."""
     found = [w for w in runs if w.draft == source]
     return {
         f"workers_{source}_greedy_identical": all(w.greedy_identical for w in found)
         if found
         else None,
+        f"workers_{source}_explained": all(w.greedy_identical or w.tie for w in found)
+        if found
+        else None,
+        f"workers_{source}_ties": sum(w.tie for w in found),
+        f"workers_{source}_tie_nmse_max": max(
+            (w.nmse_to_divergence for w in found if w.tie), default=0.0
+        ),
         f"workers_{source}_all_bitwise": all(w.bitwise_equal for w in found) if found else None,
         f"workers_{source}_max_abs_logit_diff": max((w.max_abs_diff for w in found), default=0.0),
         f"workers_{source}_drafted": sum(w.drafted for w in found),
@@ -381,11 +437,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in results.items()
         if not r["metrics"]["in_process_f32_all_bitwise"]
         or r["metrics"]["workers_all_bitwise"] is False
-        or r["metrics"]["workers_lookup_greedy_identical"] is False
-        or r["metrics"].get("workers_mtp_greedy_identical") is False
+        or r["metrics"]["workers_lookup_explained"] is False
+        or r["metrics"].get("workers_mtp_explained") is False
     ]
     for name in failed:
-        print(f"PARITY FAILED: {name}: an f32 layout differs from the single-process run")
+        print(
+            f"PARITY FAILED: {name}: an f32 layout differs from the single-process run, or a "
+            "drafted run's tokens differ beyond a rounding tie"
+        )
     return 1 if failed else 0
 
 
