@@ -3,7 +3,8 @@ real ShardEngine module (built on first use)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -64,3 +65,36 @@ def metered_workers(smollm2: Path) -> Iterator[list[Any]]:
     yield started
     for w in started:
         w.stop()
+
+
+def _concurrently(fn: Callable[[int], Any], n: int, timeout: float = 180.0) -> list[Any]:
+    """fn(0) .. fn(n - 1) in n threads released together (a barrier, so they reach the route at
+    once): their results in order. The first exception a thread raised is raised here, and a
+    thread still running after `timeout` fails the test (a hang, not a slow pass)."""
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+    start = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        try:
+            start.wait()
+            results[i] = fn(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    hung = sum(t.is_alive() for t in threads)
+    assert hung == 0, f"{hung} of {n} concurrent calls still running after {timeout} s"
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.fixture(scope="session")
+def concurrently() -> Callable[..., list[Any]]:
+    """Run calls in threads released together (see `_concurrently`)."""
+    return _concurrently

@@ -4,10 +4,10 @@ keeps serving after refusing."""
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -37,7 +37,10 @@ def fleet(smollm2: Path, descriptor: list[str]) -> Iterator[list[WorkerProcess]]
 
 
 def test_concurrent_sessions_each_give_their_own_output(
-    engine_module: object, smollm2: Path, fleet: list[WorkerProcess]
+    engine_module: object,
+    smollm2: Path,
+    fleet: list[WorkerProcess],
+    concurrently: Callable[..., list[Any]],
 ) -> None:
     from dgr_route.tokenizer import Tokenizer
 
@@ -45,28 +48,14 @@ def test_concurrent_sessions_each_give_their_own_output(
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     route = Route.open([w.address for w in fleet], timeout=60)
     alone = [list(route.generate(p, 16)) for p in prompts]
-    together: list[list[int]] = [[] for _ in prompts]
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            together[i] = list(route.generate(prompts[i], 16))
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    together = concurrently(lambda i: list(route.generate(prompts[i], 16)), len(prompts), 120)
     route.close()
-    assert errors == []
     assert together == alone
     assert len({tuple(a) for a in alone}) == len(alone)  # the sessions really differ
 
 
 def test_a_full_queue_is_resource_exhausted_and_the_worker_keeps_serving(
-    smollm2: Path, descriptor: list[str]
+    smollm2: Path, descriptor: list[str], concurrently: Callable[..., list[Any]]
 ) -> None:
     whole = start_worker(
         smollm2, 0, 30, descriptor=descriptor, n_ctx=1024, extra=["--max-queue", "0"]
@@ -74,22 +63,16 @@ def test_a_full_queue_is_resource_exhausted_and_the_worker_keeps_serving(
     try:
         route = Route.open([whole.address], timeout=60)
         prompts = [[1000 + (i * 7 + k) % 5000 for i in range(500)] for k in range(4)]
-        start = threading.Barrier(len(prompts))
         served: list[int] = []
         refused: list[RouteError] = []
 
-        def run(prompt: list[int]) -> None:
-            start.wait()
+        def run(i: int) -> None:
             try:
-                served.extend(route.generate(prompt, 1))
+                served.extend(route.generate(prompts[i], 1))
             except RouteError as err:
                 refused.append(err)
 
-        threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        concurrently(run, len(prompts), 120)
         # one prefill computes at a time and none may wait: simultaneous arrivals are refused
         assert served and refused
         assert len(served) + len(refused) == len(prompts)
@@ -121,7 +104,10 @@ def test_session_slots_are_bounded(smollm2: Path, descriptor: list[str]) -> None
 
 
 def test_batched_sessions_equal_their_solo_logits(
-    engine_module: object, smollm2: Path, fleet: list[WorkerProcess]
+    engine_module: object,
+    smollm2: Path,
+    fleet: list[WorkerProcess],
+    concurrently: Callable[..., list[Any]],
 ) -> None:
     """Decode steps of sessions that wait at a stage together are computed in one llama_decode;
     each session's logits still equal its solo run bit for bit (the largest difference is 0)."""
@@ -135,18 +121,7 @@ def test_batched_sessions_equal_their_solo_logits(
     route = Route.open([w.address for w in fleet], timeout=60)
     steps = 24
     alone = [list(route.trace(p, steps)) for p in prompts]
-    together: list[list[tuple[int, np.ndarray]]] = [[] for _ in prompts]
-    start = threading.Barrier(len(prompts))
-
-    def run(i: int) -> None:
-        start.wait()
-        together[i] = list(route.trace(prompts[i], steps))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
+    together = concurrently(lambda i: list(route.trace(prompts[i], steps)), len(prompts))
     route.close()
     widest = [
         pb_grpc.ShardServiceStub(grpc.insecure_channel(w.address))
@@ -165,7 +140,10 @@ def test_batched_sessions_equal_their_solo_logits(
 
 
 def test_a_convoy_of_sessions_stays_one_batch_around_the_ring(
-    engine_module: object, smollm2: Path, descriptor: list[str]
+    engine_module: object,
+    smollm2: Path,
+    descriptor: list[str],
+    concurrently: Callable[..., list[Any]],
 ) -> None:
     """Forward mode: the decode steps a stage computes together reach the next stage one by one,
     each on its own session's stream, as a cohort; the next stage waits for the whole cohort
@@ -200,19 +178,10 @@ def test_a_convoy_of_sessions_stays_one_batch_around_the_ring(
         route = Route.open([w.address for w in workers], timeout=60)
         alone = [list(route.generate(p, n)) for p, n in zip(prompts, lengths, strict=True)]
         before = [metrics(w) for w in workers]
-        together: list[list[int]] = [[] for _ in prompts]
-        start = threading.Barrier(len(prompts))
-
-        def run(i: int) -> None:
-            start.wait()
-            together[i] = list(route.generate(prompts[i], lengths[i]))
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
         t0 = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
+        together = concurrently(
+            lambda i: list(route.generate(prompts[i], lengths[i])), len(prompts)
+        )
         elapsed = time.monotonic() - t0
         route.close()
         after = [metrics(w) for w in workers]

@@ -15,9 +15,10 @@ crosses the route and the tail verifies. What must hold:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import grpc
 import numpy as np
@@ -227,7 +228,7 @@ def test_greedy_output_with_mtp_drafts_equals_plain_decode(
 
 
 def test_concurrent_sessions_with_mtp_drafts_keep_their_own_output(
-    fleet: dict[tuple[int, int], WorkerProcess],
+    fleet: dict[tuple[int, int], WorkerProcess], concurrently: Callable[..., list[Any]]
 ) -> None:
     """Sessions that reach the tail together each keep their own MTP trail. (This test found that
     a V4 stage after the head aborted on a batch of several sessions: llama.cpp splits it into a
@@ -238,26 +239,14 @@ def test_concurrent_sessions_with_mtp_drafts_keep_their_own_output(
     drafted = Route.open(addresses, timeout=60, draft=Draft("mtp", max_draft=4))
     prompts = [[int(t) for t in prompt(30 + i, 30 + 5 * i)] for i in range(3)]
     alone = [list(plain.generate(p, 32)) for p in prompts]
-    together: list[list[int]] = [[] for _ in prompts]
     usages = [DraftUsage() for _ in prompts]
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            together[i] = [
-                int(r.token_id) for r in drafted.results(prompts[i], 32, usage=usages[i])
-            ]
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    together = concurrently(
+        lambda i: [int(r.token_id) for r in drafted.results(prompts[i], 32, usage=usages[i])],
+        len(prompts),
+        120,
+    )
     plain.close()
     drafted.close()
-    assert errors == []
     assert together == alone
     assert all(u.drafted > 0 for u in usages), usages
 
