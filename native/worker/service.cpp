@@ -641,12 +641,14 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                     const int32_t limit = std::min<int32_t>(room, (int32_t) kMaxDraft);
                     if (lookup) {
                         const DraftChoice c = drafts->next(limit);
-                        for (int32_t d : lookup->propose(c.k)) step.add_token_ids(d);
                         in_flight_probe = c.probe;
-                        // a plain step: what lookup would have drafted first is checked against
-                        // the token that comes back instead
-                        const std::vector<int32_t> next = c.k == 0 ? lookup->propose(1) : std::vector<int32_t>{};
-                        shadow = next.empty() ? -1 : next[0];
+                        // a plain step still proposes one token: it is checked against the token
+                        // that comes back instead of being sent
+                        const std::vector<int32_t> proposal = lookup->propose(std::max(c.k, 1));
+                        shadow = c.k == 0 && !proposal.empty() ? proposal[0] : -1;
+                        if (c.k > 0) {
+                            for (int32_t d : proposal) step.add_token_ids(d);
+                        }
                     } else {
                         // MTP drafts are made a step ahead: this step verifies what was chosen a
                         // step ago (as far as the tail made them), and asks for the next choice

@@ -143,6 +143,34 @@ def compare(
     return rows
 
 
+def by_link(
+    direct: list[str],
+    prompts: dict[str, list[int]],
+    engine: Any,
+    threads: int,
+    gate: dict[str, float],
+) -> dict[str, Any]:
+    """Every task on loopback and behind each of LATENCIES_MS, its speed-ups put into `gate`."""
+    by_latency: dict[str, Any] = {}
+    for latency in LATENCIES_MS:
+        if latency == 0:  # loopback: no proxy in the way
+            rows = compare(direct, prompts, engine, latency)
+        else:
+            with linked(direct, latency) as addresses:
+                rows = compare(addresses, prompts, engine, latency)
+        by_latency[f"{latency}ms"] = rows
+        for task, r in rows.items():
+            print(
+                f"{threads}t {latency:>2} ms {task:<10} plain {r['plain_tps']:6.1f} "
+                f"drafted {r['drafted_tps']:6.1f} tok/s  x{r['speedup']:.2f}  "
+                f"acceptance {r['acceptance']:.2f}  {r['tokens_per_trip']:.2f} tok/trip  "
+                f"plain floor {r['plain_floor_tps']:.1f}",
+                flush=True,
+            )
+            gate[f"{threads}t_{latency}ms_{task}_speedup"] = r["speedup"]
+    return by_latency
+
+
 def sweep(
     direct: list[str], prompts: dict[str, list[int]], engine: Any, threads: int
 ) -> dict[str, Any]:
@@ -192,27 +220,12 @@ def main(argv: list[str] | None = None) -> int:
             start_worker(model, a, b, descriptor=descriptor, threads=threads, n_ctx=1024)
             for a, b in LAYOUT
         ]
-        by_latency: dict[str, Any] = {}
+        direct = [w.address for w in workers]
         try:
             if args.sweep:
-                by_latency = sweep([w.address for w in workers], prompts, engine, threads)
-            for latency in () if args.sweep else LATENCIES_MS:
-                direct = [w.address for w in workers]
-                if latency == 0:  # loopback: no proxy in the way
-                    rows = compare(direct, prompts, engine, latency)
-                else:
-                    with linked(direct, latency) as addresses:
-                        rows = compare(addresses, prompts, engine, latency)
-                by_latency[f"{latency}ms"] = rows
-                for task, r in rows.items():
-                    print(
-                        f"{threads}t {latency:>2} ms {task:<10} plain {r['plain_tps']:6.1f} "
-                        f"drafted {r['drafted_tps']:6.1f} tok/s  x{r['speedup']:.2f}  "
-                        f"acceptance {r['acceptance']:.2f}  {r['tokens_per_trip']:.2f} tok/trip  "
-                        f"plain floor {r['plain_floor_tps']:.1f}",
-                        flush=True,
-                    )
-                    gate[f"{threads}t_{latency}ms_{task}_speedup"] = r["speedup"]
+                by_latency = sweep(direct, prompts, engine, threads)
+            else:
+                by_latency = by_link(direct, prompts, engine, threads, gate)
         finally:
             for w in workers:
                 w.stop()

@@ -91,7 +91,9 @@ class WorkerResult:
         return self.first_divergence is not None and self.nmse_to_divergence <= TIE_NMSE
 
 
-def structure(model: Path) -> ModelStructure:
+def structure(model: Path) -> tuple[ModelStructure, bool]:
+    """The model's layer structure for the scenario generator, and whether it carries an MTP
+    (nextn) block a tail can serve."""
     from dgr_artifacts.identity import open_model
 
     kv = open_model(model).kv
@@ -101,19 +103,12 @@ def structure(model: Path) -> ModelStructure:
     ratios = kv.get(f"{arch}.attention.compress_ratios", [])
     if isinstance(ratios, int | float):  # llama.cpp's saver writes one value for every layer
         ratios = [ratios] * blocks
-    return ModelStructure(
+    shape = ModelStructure(
         n_layer=blocks - nextn,
         hash_layers=int(kv.get(f"{arch}.hash_layer_count", 0)),
         compress_ratios=tuple(int(r) for r in ratios),
     )
-
-
-def shape_has_mtp(model: Path) -> bool:
-    """Whether the model carries an MTP (nextn) block a tail can serve."""
-    from dgr_artifacts.identity import open_model
-
-    kv = open_model(model).kv
-    return int(kv.get(f"{kv['general.architecture']}.nextn_predict_layers", 0)) > 0
+    return shape, nextn > 0
 
 
 def free_run(
@@ -257,8 +252,7 @@ def certify(
 ) -> dict[str, Any]:
     from dgr_native import load
 
-    shape = structure(model)
-    mtp = shape_has_mtp(model)
+    shape, mtp = structure(model)
     scenarios = generate(shape, [k for k in stages if k <= shape.n_layer], seed)
     whole = load().Engine(str(model), n_ctx=1024).describe()
     rng = np.random.default_rng(seed)
