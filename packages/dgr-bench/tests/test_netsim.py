@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -61,3 +62,56 @@ def test_bandwidth_is_limited(echo: str) -> None:
         assert elapsed >= 0.7
     finally:
         link.stop()
+
+
+def test_faults_delay_corrupt_blackhole_and_reset(echo: str) -> None:
+    link = start_link(echo, latency_ms=0, control=True)
+    try:
+        link.fault("delay 100")
+        _, rtt = round_trip(link.address, b"ping")
+        assert rtt >= 0.2  # the spike applies each way
+        link.fault("delay 0")
+        _, rtt = round_trip(link.address, b"ping")
+        assert rtt < 0.1
+
+        payload = bytes(range(256)) * 8  # 2 KiB: a chunk the corruption picks
+        link.fault("corrupt 1")
+        got, _ = round_trip(link.address, payload)
+        assert sum(a != b for a, b in zip(got, payload, strict=True)) == 1
+        assert round_trip(link.address, payload)[0] == payload  # only the next chunk
+
+        host, port = link.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as held:
+            held.sendall(b"x")
+            assert held.recv(16) == b"x"
+            link.fault("reset")
+            held.settimeout(5)
+            # closed: a FIN then the RST (recv gives b""), or the RST outright
+            with contextlib.suppress(ConnectionResetError):
+                assert held.recv(16) == b""
+
+        link.fault("blackhole on")
+        with socket.create_connection((host, int(port))) as dead:
+            dead.sendall(b"lost")
+            dead.settimeout(0.3)
+            with pytest.raises(TimeoutError):
+                dead.recv(16)  # opened, and nothing ever comes back: no FIN, no RST
+        link.fault("blackhole off")
+        assert round_trip(link.address, b"back")[0] == b"back"
+    finally:
+        link.stop()
+
+
+def test_bad_arguments_are_refused_by_name() -> None:
+    import subprocess
+
+    from dgr_bench.netsim import binary
+
+    out = subprocess.run(
+        [str(binary()), "--upstream", "127.0.0.1:1", "--latency-ms", "nan"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2
+    assert "--latency-ms" in out.stderr

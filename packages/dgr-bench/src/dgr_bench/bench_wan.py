@@ -40,8 +40,8 @@ from dgr_bench.netsim import start_link
 LAYOUT = [(0, 10), (10, 20), (20, 30)]
 PAIR = [(0, 15), (15, 30)]
 PROMPT = [1000 + (i * 7) % 5000 for i in range(64)]
-DECODE_TOKENS = 32
-ROUNDS = 3
+DECODE_TOKENS = 64  # as the alpha protocol decodes on loopback
+ROUNDS = 5  # paired rounds per row (a round: the floor's compute, then the route), medians
 PROTOCOL_BYTES = 60  # gRPC/HTTP2 framing and the request's own fields, per message (estimate)
 
 

@@ -94,12 +94,19 @@ def build_engine(lane: str = "cpu") -> Path:
         [f"-Dpybind11_DIR={pybind11.get_cmake_dir()}", f"-DPython_EXECUTABLE={sys.executable}"],
     )
     run_step(
-        ["cmake", "--build", str(out), "--target", "_dgr_engine", "dgr-shard-worker"], sys.stderr
+        ["cmake", "--build", str(out), "--target", "_dgr_engine", "dgr-shard-worker", "dgr-netsim"],
+        sys.stderr,
     )
     found = sorted(out.glob("_dgr_engine*.so"))
     if not found:
         raise BuildError(f"_dgr_engine was not produced in {out}")
     return found[0]
+
+
+@functools.cache
+def netsim_binary(lane: str = "cpu") -> Path:
+    """The dgr-netsim executable (the benches' simulated WAN link), built beside the worker."""
+    return build_engine(lane).parent / "dgr-netsim"
 
 
 @functools.cache
