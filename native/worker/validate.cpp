@@ -151,6 +151,7 @@ Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Descriptio
     fr.n_past = (int32_t) exp.n_past();
     fr.truncate = exp.truncate();
     fr.logits_all = req.n_draft() > 0;  // the tail verifies every drafted position
+    fr.verify = req.n_draft() > 0;
     if (req.draft().source() == dgr::v1::DRAFT_SOURCE_MTP) {
         if (!req.has_route()) return invalid("draft: speculative decoding is a forward-mode field, on a request without route");
         if (desc.is_tail && !desc.mtp) {

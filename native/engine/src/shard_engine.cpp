@@ -486,6 +486,21 @@ public:
     }
 
     void forward_batch(std::vector<BatchItem> & items) override {
+        if (staged_boundary_ && std::any_of(items.begin(), items.end(), [](const BatchItem & b) {
+                return b.request.verify && b.request.n_tokens > 1;
+            })) {
+            for (auto & item : items) {
+                if (item.request.verify && item.request.n_tokens > 1) {
+                    forward_rows(item);
+                    continue;
+                }
+                std::vector<BatchItem> one(1);
+                one[0] = std::move(item);
+                forward_batch(one);
+                item = std::move(one[0]);
+            }
+            return;
+        }
         // a staged boundary (DeepSeek V4) serves exactly one ubatch, and llama.cpp splits a V4
         // batch of several sequences into a ubatch per sequence (its caches keep a stream per
         // sequence): such a stage computes its sessions one llama_decode each, never aborting
@@ -691,6 +706,49 @@ public:
     }
 
 private:
+    // a verification on a model whose rows round by their batch (ForwardRequest::verify): each
+    // row computes in its own llama_decode, in order, and the results join as one forward's. A
+    // row that fails after others went in drops the session (its coordinator expects none of
+    // them; the next forward asks for a re-prefill)
+    void forward_rows(BatchItem & item) {
+        const ForwardRequest & req = item.request;
+        const size_t row_bytes =
+            (size_t) desc_.boundary.n_embd * desc_.boundary.hc * dtype_size(req.boundary_dtype);
+        ForwardResult all;
+        for (int32_t i = 0; i < req.n_tokens; ++i) {
+            std::vector<BatchItem> one(1);
+            ForwardRequest & row = one[0].request;
+            row = req;
+            row.verify = false;
+            row.n_tokens = 1;
+            row.n_past = req.n_past + i;
+            row.tokens = req.tokens != nullptr ? req.tokens + i : nullptr;
+            row.boundary = req.boundary != nullptr ? (const uint8_t *) req.boundary + (size_t) i * row_bytes : nullptr;
+            row.truncate = req.truncate && i == 0;
+            row.prefix_hash = i == 0 ? req.prefix_hash : 0;
+            one[0].out_dtype = item.out_dtype;
+            forward_batch(one);
+            if (one[0].error) {
+                if (i > 0) {
+                    std::lock_guard<std::mutex> lock(mutex_);
+                    if (sessions_.count(req.session) > 0) drop(req.session);
+                }
+                item.error = one[0].error;
+                return;
+            }
+            ForwardResult & got = one[0].result;
+            if (desc_.is_tail && !req.logits_all) all.data.clear();  // the last row's logits only
+            all.data.insert(all.data.end(), got.data.begin(), got.data.end());
+            all.n_rows = desc_.is_tail && !req.logits_all ? 1 : all.n_rows + got.n_rows;
+            all.row_width = got.row_width;
+            all.dtype = got.dtype;
+            all.is_logits = got.is_logits;
+            all.n_past = got.n_past;
+            all.prefix_hash = got.prefix_hash;
+        }
+        item.result = std::move(all);
+    }
+
     struct Live {
         BatchItem * item;
         Session * session;

@@ -216,26 +216,36 @@ def test_the_coordinator_refuses_drafts_it_cannot_run(
 
 def test_v4_twin_drafts_roll_back_through_state_snapshots(quick_twin: Path) -> None:
     """DeepSeek V4's compressor state is not positional: its stages drop rejected drafts through
-    llama.cpp's state snapshots (--rollback, n_rs_seq), and the output stays plain decode's."""
+    llama.cpp's state snapshots (--rollback, n_rs_seq), and the output stays plain decode's, its
+    logits bit for bit. A V4 stage verifies a step's rows one llama_decode each, so drafting pays
+    only where trips cost more than compute: every link here adds 5 ms (dgr-netsim), as a WAN
+    would, or the head would rightly stop drafting."""
+    from dgr_bench.netsim import start_link
+
     descriptor = descriptor_args(quick_twin)
     fleet = [
         start_worker(quick_twin, a, b, descriptor=descriptor, n_ctx=512)
         for a, b in [(0, 2), (2, 3), (3, 6)]
     ]
+    links = [start_link(w.address, 5.0) for w in fleet]
     try:
         third = [int(t) for t in np.random.default_rng(5).integers(0, 1024, 40)]
         prompt = third * 3
-        addresses = [w.address for w in fleet]
-        plain = Route.open(addresses)
-        drafted = Route.open(addresses, draft=Draft("lookup"))
+        addresses = [link.address for link in links]
+        plain = Route.open(addresses, peers=addresses)
+        drafted = Route.open(addresses, peers=addresses, draft=Draft("lookup"))
         assert [s.describe.max_rollback for s in drafted.stages] == [16, 16, 16]
         usage = DraftUsage()
-        got = [int(r.token_id) for r in drafted.results(prompt, 40, usage=usage)]
-        assert got == list(plain.generate(prompt, 40))
+        got = list(drafted.trace(prompt, 40, usage=usage))
+        want = list(plain.trace(prompt, 40))
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(got, want, strict=True))
         assert usage.accepted > 0 and usage.drafted > usage.accepted, usage  # kept and rolled back
         plain.close()
         drafted.close()
     finally:
+        for link in links:
+            link.stop()
         for w in fleet:
             w.stop()
 

@@ -137,6 +137,13 @@ struct ForwardRequest {
     bool mtp = false;                   // a tail with the MTP block: keep the block's cache in step
                                         // with this forward (needs the token ids), so that
                                         // draft_mtp can draft after it
+    bool verify = false;                // its tokens after the first are drafts to verify. Where
+                                        // a row's result depends on the batch it computes in
+                                        // (DeepSeek V4: attention and compressors take the
+                                        // batch's shape), each row computes in its own
+                                        // llama_decode, as plain decode computed it, so that
+                                        // greedy verification keeps plain decode's tokens bit for
+                                        // bit; elsewhere the rows compute together (same bits)
 };
 
 struct ForwardResult {
