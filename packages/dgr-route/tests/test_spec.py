@@ -229,17 +229,22 @@ def test_v4_twin_drafts_roll_back_through_state_snapshots(quick_twin: Path) -> N
     ]
     links = [start_link(w.address, 5.0) for w in fleet]
     try:
-        third = [int(t) for t in np.random.default_rng(5).integers(0, 1024, 40)]
-        prompt = third * 3
         addresses = [link.address for link in links]
         plain = Route.open(addresses, peers=addresses)
         drafted = Route.open(addresses, peers=addresses, draft=Draft("lookup"))
         assert [s.describe.max_rollback for s in drafted.stages] == [16, 16, 16]
+        # how many drafts the adaptive head sends depends on the trips it times: prompts until
+        # drafts were both kept and rolled back, each output checked against plain decode
         usage = DraftUsage()
-        got = list(drafted.trace(prompt, 40, usage=usage))
-        want = list(plain.trace(prompt, 40))
-        assert [t for t, _ in got] == [t for t, _ in want]
-        assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(got, want, strict=True))
+        for seed in range(5, 11):
+            third = [int(t) for t in np.random.default_rng(seed).integers(0, 1024, 40)]
+            prompt = third * 3
+            got = list(drafted.trace(prompt, 40, usage=usage))
+            want = list(plain.trace(prompt, 40))
+            assert [t for t, _ in got] == [t for t, _ in want], seed
+            assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(got, want, strict=True))
+            if usage.accepted > 0 and usage.drafted > usage.accepted:
+                break
         assert usage.accepted > 0 and usage.drafted > usage.accepted, usage  # kept and rolled back
         plain.close()
         drafted.close()
