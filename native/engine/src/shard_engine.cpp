@@ -486,26 +486,20 @@ public:
     }
 
     void forward_batch(std::vector<BatchItem> & items) override {
-        if (staged_boundary_ && std::any_of(items.begin(), items.end(), [](const BatchItem & b) {
-                return b.request.verify && b.request.n_tokens > 1;
-            })) {
+        // a staged boundary (DeepSeek V4) computes some batches item by item:
+        // - a verification of several rows goes row by row (forward_rows), as V4 rounds a row by
+        //   its batch's shape;
+        // - a non-head stage serves exactly one ubatch, and llama.cpp splits a V4 batch of several
+        //   sequences into a ubatch per sequence (its caches keep a stream per sequence), so such a
+        //   stage computes its sessions one llama_decode each, never aborting
+        const auto multi_row_verify = [](const BatchItem & b) { return b.request.verify && b.request.n_tokens > 1; };
+        if (staged_boundary_ && ((!desc_.is_head && items.size() > 1) ||
+                                 std::any_of(items.begin(), items.end(), multi_row_verify))) {
             for (auto & item : items) {
-                if (item.request.verify && item.request.n_tokens > 1) {
+                if (multi_row_verify(item)) {
                     forward_rows(item);
                     continue;
                 }
-                std::vector<BatchItem> one(1);
-                one[0] = std::move(item);
-                forward_batch(one);
-                item = std::move(one[0]);
-            }
-            return;
-        }
-        // a staged boundary (DeepSeek V4) serves exactly one ubatch, and llama.cpp splits a V4
-        // batch of several sequences into a ubatch per sequence (its caches keep a stream per
-        // sequence): such a stage computes its sessions one llama_decode each, never aborting
-        if (staged_boundary_ && !desc_.is_head && items.size() > 1) {
-            for (auto & item : items) {
                 std::vector<BatchItem> one(1);
                 one[0] = std::move(item);
                 forward_batch(one);
