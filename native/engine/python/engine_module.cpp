@@ -86,7 +86,7 @@ public:
         py::buffer_info tok_info, bnd_info;
         if (!tokens.is_none()) {
             auto arr = py::cast<py::array>(tokens);
-            if (!arr.dtype().is(py::dtype::of<int32_t>()) || arr.ndim() != 1 ||
+            if (!arr.dtype().equal(py::dtype::of<int32_t>()) || arr.ndim() != 1 ||
                 !(arr.flags() & py::array::c_style)) {
                 throw py::type_error("tokens must be a C-contiguous 1-D int32 array");
             }
@@ -97,11 +97,11 @@ public:
         if (!boundary.is_none()) {
             auto arr = py::cast<py::array>(boundary);
             dgr::DType dtype;
-            if (arr.dtype().is(py::dtype::of<float>())) {
+            if (arr.dtype().equal(py::dtype::of<float>())) {
                 dtype = dgr::DType::f32;
-            } else if (arr.dtype().is(py::dtype("float16"))) {
+            } else if (arr.dtype().equal(py::dtype("float16"))) {
                 dtype = dgr::DType::f16;
-            } else if (arr.dtype().is(py::dtype::of<uint16_t>())) {
+            } else if (arr.dtype().equal(py::dtype::of<uint16_t>())) {
                 dtype = dgr::DType::bf16;
             } else {
                 throw py::type_error("boundary dtype must be float32, float16 or uint16 (bf16 bits), not " +

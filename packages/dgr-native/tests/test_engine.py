@@ -130,6 +130,31 @@ def test_boundary_validation(engine_module: ModuleType, smollm2: Path) -> None:
         head.forward(1, 1, 0, tokens=np.ones(129, dtype=np.int32))
 
 
+def test_arrays_are_taken_by_dtype_not_by_dtype_object(
+    engine_module: ModuleType, smollm2: Path
+) -> None:
+    """An array that crossed a process (pickled, as multiprocessing sends it) carries an equal
+    dtype that is another object: it is accepted, and computes what the original does; an array of
+    the other byte order is refused, since its bytes are not the engine's numbers."""
+    import pickle
+
+    head = engine(engine_module, smollm2, 0, 10)
+    middle = engine(engine_module, smollm2, 10, 20)
+    tokens = np.array([1, 2, 3], dtype=np.int32)
+    sent = pickle.loads(pickle.dumps(tokens))
+    assert sent.dtype is not np.dtype(np.int32)  # what made the identity check refuse it
+    out = head.forward(1, 1, 0, tokens=sent)
+    assert np.array_equal(out, head.forward(2, 1, 0, tokens=tokens))
+    boundary = pickle.loads(pickle.dumps(out))
+    assert np.array_equal(
+        middle.forward(1, 1, 0, boundary=boundary), middle.forward(2, 1, 0, boundary=out)
+    )
+    with pytest.raises(TypeError, match="int32"):
+        head.forward(3, 1, 0, tokens=tokens.astype(">i4"))
+    with pytest.raises(TypeError, match="float32, float16 or uint16"):
+        middle.forward(3, 1, 0, boundary=out.astype(">f4"))
+
+
 def test_cache_expectations(engine_module: ModuleType, smollm2: Path) -> None:
     middle = engine(engine_module, smollm2, 10, 20)
     x = np.zeros((3, 576), dtype=np.float32)
