@@ -128,7 +128,7 @@ void Batcher::take_turn(std::unique_lock<std::mutex> & lock) {
     try {
         const ComputeSlots::Hold slot = slots_.acquire();
         alone = slot.alone();
-        engine_.use_priority(alone);
+        slot.place(engine_);
         engine_.forward_batch(batch);
     } catch (...) {
         for (auto & b : batch) {

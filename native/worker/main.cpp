@@ -48,6 +48,7 @@ struct Args {
     int keepalive_ms = dgr::worker::kKeepaliveMs;  // every link, both sides
     bool data_links = true;  // forward mode's links to plaintext peers: data streams (else gRPC calls)
     std::string compute_slots = "auto";  // a directory, "auto" or "none"
+    bool pin = true;  // each forward's compute threads on the cores of its compute slot (slots.h)
     std::string metrics_listen;          // HOST:PORT for /metrics and /metrics.json (empty: off)
     std::string tls_cert, tls_key, tls_client_ca, peer_ca;  // PEM contents
     dgr::worker::ServiceOptions service;
@@ -122,6 +123,11 @@ void parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--mtp") a.mtp = true;
         else if (k == "--no-warmup") a.warmup = false;
         else if (k == "--compute-slots") a.compute_slots = val();
+        else if (k == "--pin") {
+            const std::string v = val();
+            if (v != "on" && v != "off") throw std::invalid_argument("--pin: on or off, not " + v);
+            a.pin = v == "on";
+        }
         else if (k == "--links") {
             const std::string v = val();
             if (v != "data" && v != "grpc") throw std::invalid_argument("--links: data or grpc, not " + v);
@@ -226,7 +232,7 @@ int main(int argc, char ** argv) {
                   << "usage: dgr-shard-worker --model PATH --layers FIRST:LAST [--listen HOST:PORT] [--threads N]\n"
                      "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--max-batch N] [--gather-us N]\n"
                      "  [--model-fingerprint HEX] [--recipe-id ID] [--drain-seconds N] [--version]\n"
-                     "  [--poll 0-100] [--prio auto|0-3] [--rollback 0-64] [--gpu-layers N|-1] [--no-warmup] [--compute-slots DIR|auto|none] [--mtp] [--auth-token-file F]\n"
+                     "  [--poll 0-100] [--prio auto|0-3] [--rollback 0-64] [--gpu-layers N|-1] [--no-warmup] [--compute-slots DIR|auto|none] [--pin on|off] [--mtp] [--auth-token-file F]\n"
                      "  [--metrics-listen HOST:PORT] [--links data|grpc]\n"
                      "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F] [--keepalive-ms N]\n";
         return 2;
@@ -241,6 +247,7 @@ int main(int argc, char ** argv) {
         }
         args.service.compute_slots_dir = dir;
         args.service.compute_slots = dgr::worker::default_slot_count(args.threads);
+        if (args.pin) args.service.pin_threads = args.threads;
     }
     args.prio = resolve_prio(args);
     std::unique_ptr<dgr::ShardEngine> engine;
@@ -261,9 +268,10 @@ int main(int argc, char ** argv) {
         o.load_mtp = args.mtp;
         engine = dgr::ShardEngine::open(o);
         if (args.warmup) {  // a compute like any other: in a slot
-            dgr::worker::ComputeSlots slots(args.service.compute_slots_dir, args.service.compute_slots);
+            dgr::worker::ComputeSlots slots(args.service.compute_slots_dir, args.service.compute_slots,
+                                            args.service.pin_threads);
             const auto hold = slots.acquire();
-            engine->use_priority(hold.alone());
+            hold.place(*engine);
             warm_up(*engine);
         }
     } catch (const dgr::ShardError & e) {

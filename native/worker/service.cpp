@@ -184,7 +184,7 @@ ShardService::ShardService(std::unique_ptr<dgr::ShardEngine> engine, ServiceOpti
       options_(std::move(options)),
       desc_(engine_->describe()),
       peers_(std::move(peers)),
-      slots_(options_.compute_slots_dir, options_.compute_slots),
+      slots_(options_.compute_slots_dir, options_.compute_slots, options_.pin_threads),
       batcher_(*engine_, std::min(options_.max_batch, desc_.n_batch), slots_, std::chrono::microseconds(options_.gather_us),
                [this](size_t width) { metrics_.turn(width); }),
       metrics_(LiveState{[this] { return engine_->session_count(); },
@@ -324,6 +324,8 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
             const int32_t last = reply->more_tokens_size() > 0 ? reply->more_tokens(reply->more_tokens_size() - 1).token_id()
                                                                : reply->token().token_id();
             try {
+                const ComputeSlots::Hold slot = slots_.acquire();  // a compute like any other
+                slot.place(*engine_);
                 for (int32_t d : engine_->draft_mtp(fr.session, (int32_t) reply->n_past(), last, (int32_t) req.draft().propose())) {
                     reply->add_drafts(d);
                 }

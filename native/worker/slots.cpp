@@ -1,6 +1,7 @@
 #include "slots.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -14,8 +15,14 @@
 
 namespace dgr::worker {
 
-ComputeSlots::ComputeSlots(const std::string & dir, int n) {
+ComputeSlots::ComputeSlots(const std::string & dir, int n, int pin_threads) : pin_threads_(pin_threads) {
     if (dir.empty()) return;
+    cpu_set_t set;
+    if (pin_threads_ > 1 && sched_getaffinity(0, sizeof(set), &set) == 0) {
+        for (int32_t c = 0; c < CPU_SETSIZE; ++c) {
+            if (CPU_ISSET(c, &set)) allowed_.push_back(c);
+        }
+    }
     if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
         throw std::invalid_argument("--compute-slots: cannot create " + dir + ": " + std::strerror(errno));
     }
@@ -48,9 +55,15 @@ ComputeSlots::Hold ComputeSlots::acquire() {
     auto pause = std::chrono::microseconds(20);
     while (true) {
         for (size_t i = 0; i < fds_.size(); ++i) {
-            const int fd = fds_[(size_t) next_ % fds_.size()];
+            const size_t slot = (size_t) next_ % fds_.size();
+            const int fd = fds_[slot];
             next_ = (next_ + 1) % (int) fds_.size();
-            if (flock(fd, LOCK_EX | LOCK_NB) == 0) return Hold(fd);
+            if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+                const size_t first = slot * (size_t) pin_threads_;
+                if (pin_threads_ < 2 || first + (size_t) pin_threads_ > allowed_.size()) return Hold(fd);
+                return Hold(fd, true, std::vector<int32_t>(allowed_.begin() + (long) first,
+                                                           allowed_.begin() + (long) (first + (size_t) pin_threads_)));
+            }
             if (errno != EWOULDBLOCK && errno != EINTR) return Hold(-1, false);  // cannot lock: compute anyway
         }
         if (std::chrono::steady_clock::now() > give_up) return Hold(-1, false);

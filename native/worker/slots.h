@@ -5,9 +5,15 @@
 // cores / threads slots for each llama_decode: flock'd files in a directory they share, which
 // the kernel releases if a worker dies holding one. A worker alone on its host always finds a
 // slot free (two syscalls per forward).
+// Slot i is also cores i*threads .. (i+1)*threads - 1 of those the worker may run on: with
+// pinning on, a forward's compute threads go one on each (ShardEngine::use_cpus), so the threads
+// of one graph never share a core, nor do the graphs of two slots.
 #pragma once
 
+#include "dgr/shard_engine.h"
+
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -15,8 +21,9 @@ namespace dgr::worker {
 
 class ComputeSlots {
 public:
-    // `dir` empty: no slots (every compute proceeds at once); otherwise n >= 1 slot files in dir
-    ComputeSlots(const std::string & dir, int n);
+    // `dir` empty: no slots (every compute proceeds at once); otherwise n >= 1 slot files in dir.
+    // `pin_threads` > 1: a held slot names that many cores for its forward's threads (cpus())
+    ComputeSlots(const std::string & dir, int n, int pin_threads = 0);
     ~ComputeSlots();
     ComputeSlots(const ComputeSlots &) = delete;
     ComputeSlots & operator=(const ComputeSlots &) = delete;
@@ -24,18 +31,31 @@ public:
     class Hold {
     public:
         Hold() = default;
-        explicit Hold(int fd, bool alone = true) : fd_(fd), alone_(alone) {}
-        Hold(Hold && other) noexcept : fd_(other.fd_), alone_(other.alone_) { other.fd_ = -1; }
+        explicit Hold(int fd, bool alone = true, std::vector<int32_t> cpus = {})
+            : fd_(fd), alone_(alone), cpus_(std::move(cpus)) {}
+        Hold(Hold && other) noexcept : fd_(other.fd_), alone_(other.alone_), cpus_(std::move(other.cpus_)) {
+            other.fd_ = -1;
+        }
         Hold & operator=(Hold &&) = delete;
         Hold(const Hold &) = delete;
         ~Hold();
         // the graph computes without another's beside it, as far as the slots know: a slot was
         // taken, or the host has no slots (its workers' placement is the operator's)
         bool alone() const { return alone_; }
+        // the cores of the slot, one per compute thread (empty: no slot, pinning off, or a slot
+        // past the cores this worker may run on)
+        const std::vector<int32_t> & cpus() const { return cpus_; }
+        // the engine's next forwards as this hold allows: at its priority where the graph
+        // computes alone, on the slot's cores
+        void place(dgr::ShardEngine & engine) const {
+            engine.use_priority(alone_);
+            engine.use_cpus(cpus_);
+        }
 
     private:
         int fd_ = -1;
         bool alone_ = true;
+        std::vector<int32_t> cpus_;
     };
 
     // waits until any slot is free, or kMaxWait with every slot held (then computes without one,
@@ -47,6 +67,8 @@ public:
 private:
     std::vector<int> fds_;
     int next_ = 0;
+    int pin_threads_ = 0;
+    std::vector<int32_t> allowed_;  // the cores this process may run on, in order
 };
 
 // cores / threads, at least 1

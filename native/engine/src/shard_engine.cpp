@@ -32,6 +32,29 @@ bool has_device() {
     return false;
 }
 
+// The calling thread on the last of `cpus` while it computes as a pool's thread 0 (ggml puts the
+// pool's other threads on the others), its own affinity back when the scope ends: the thread is a
+// worker's handler, whose other work may run anywhere. No CPUs: nothing changes.
+class PinnedCaller {
+public:
+    explicit PinnedCaller(const std::vector<int32_t> & cpus) {
+        if (cpus.empty() || pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_) != 0) return;
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpus.back(), &one);
+        pinned_ = pthread_setaffinity_np(pthread_self(), sizeof(one), &one) == 0;
+    }
+    ~PinnedCaller() {
+        if (pinned_) pthread_setaffinity_np(pthread_self(), sizeof(saved_), &saved_);
+    }
+    PinnedCaller(const PinnedCaller &) = delete;
+    PinnedCaller & operator=(const PinnedCaller &) = delete;
+
+private:
+    cpu_set_t saved_{};
+    bool pinned_ = false;
+};
+
 const std::set<std::string> kRangeArchs = {"llama", "gemma3", "qwen2", "qwen3", "deepseek2", "deepseek4"};
 std::string range_archs() {
     std::string out;
@@ -347,11 +370,10 @@ public:
 
         // Stages of a route run one after another and share cores with their neighbours; a
         // threadpool that keeps spinning after its graph steals the CPU the next stage needs.
-        threadpool_ = new_pool(options.prio);
-        if (threadpool_ != nullptr) {
-            llama_attach_threadpool(ctx_, threadpool_, threadpool_);
-            if (mtp_) llama_attach_threadpool(mtp_, threadpool_, threadpool_);
-            attached_ = threadpool_;
+        if (ggml_threadpool * pool = pool_for(options.prio, {})) {
+            llama_attach_threadpool(ctx_, pool, pool);
+            if (mtp_) llama_attach_threadpool(mtp_, pool, pool);
+            attached_ = pool;
         }
 
         desc_.arch = arch;
@@ -398,8 +420,7 @@ public:
     ~LlamaShardEngine() override {
         if (mtp_) llama_free(mtp_);
         if (ctx_) llama_free(ctx_);
-        if (threadpool_) ggml_threadpool_free(threadpool_);
-        if (threadpool_normal_) ggml_threadpool_free(threadpool_normal_);
+        pools_.clear();
         if (model_) llama_model_free(model_);
     }
 
@@ -456,24 +477,51 @@ public:
 
     void use_priority(bool on) override { want_priority_.store(on); }
 
-    // a compute pool of the options' size and spin level, its threads at `prio`
-    ggml_threadpool * new_pool(int32_t prio) const {
-        ggml_threadpool_params tpp = ggml_threadpool_params_default(options_.n_threads);
-        tpp.poll = (uint32_t) options_.poll;
-        tpp.prio = (ggml_sched_priority) prio;
-        tpp.paused = options_.sleep_when_idle;
-        return ggml_threadpool_new(&tpp);
+    void use_cpus(const std::vector<int32_t> & cpus) override {
+        if (!cpus.empty() && (int32_t) cpus.size() != options_.n_threads) {
+            throw ShardError(Status::invalid_argument, "use_cpus: " + std::to_string(cpus.size()) + " CPUs for " +
+                                                           std::to_string(options_.n_threads) + " compute threads");
+        }
+        for (int32_t c : cpus) {
+            if (c < 0 || c >= CPU_SETSIZE || c >= GGML_MAX_N_THREADS) {
+                throw ShardError(Status::invalid_argument, "use_cpus: no CPU " + std::to_string(c));
+            }
+        }
+        std::lock_guard<std::mutex> lock(placement_mutex_);
+        want_cpus_ = cpus;
     }
 
-    // the pool this forward computes with, as use_priority asked (with forward_batch's lock held)
-    void attach_pool() {
-        if (threadpool_ == nullptr || options_.prio <= 0) return;
-        const bool on = want_priority_.load();
-        if (!on && threadpool_normal_ == nullptr) {
-            threadpool_normal_ = new_pool(GGML_SCHED_PRIO_NORMAL);
-            if (threadpool_normal_ == nullptr) return;  // no second pool: keep the first
+    std::vector<int32_t> wanted_cpus() const {
+        std::lock_guard<std::mutex> lock(placement_mutex_);
+        return want_cpus_;
+    }
+
+    // the compute pool of the options' size and spin level, its threads at `prio` and, given
+    // CPUs, one on each (made at its first use; nullptr where ggml cannot make it)
+    ggml_threadpool * pool_for(int32_t prio, const std::vector<int32_t> & cpus) {
+        auto & pool = pools_[{prio, cpus}];
+        if (pool == nullptr) {
+            ggml_threadpool_params tpp = ggml_threadpool_params_default(options_.n_threads);
+            tpp.poll = (uint32_t) options_.poll;
+            tpp.prio = (ggml_sched_priority) prio;
+            tpp.paused = options_.sleep_when_idle;
+            if (!cpus.empty()) {
+                for (int32_t c : cpus) tpp.cpumask[c] = true;
+                tpp.strict_cpu = true;  // thread i on the i-th CPU, the calling thread on the last
+                tpp.paused = true;      // unpaused, ggml would pin the thread making the pool for good
+            }
+            pool.reset(ggml_threadpool_new(&tpp));
         }
-        ggml_threadpool * want = on ? threadpool_ : threadpool_normal_;
+        return pool.get();
+    }
+
+    // the pool this forward computes with, as use_priority and use_cpus asked (with
+    // forward_batch's lock held)
+    void attach_pool() {
+        if (attached_ == nullptr) return;  // ggml made no pool: its own threads compute
+        const bool on = want_priority_.load() || options_.prio <= 0;
+        ggml_threadpool * want = pool_for(on ? options_.prio : GGML_SCHED_PRIO_NORMAL, wanted_cpus());
+        if (want == nullptr) return;  // no such pool: keep the one attached
         if (want != attached_) {
             llama_attach_threadpool(ctx_, want, want);
             if (mtp_) llama_attach_threadpool(mtp_, want, want);
@@ -486,6 +534,7 @@ public:
     }
 
     void forward_batch(std::vector<BatchItem> & items) override {
+        const PinnedCaller pinned(wanted_cpus());
         // a staged boundary (DeepSeek V4) computes some batches item by item:
         // - a verification of several rows goes row by row (forward_rows), as V4 rounds a row by
         //   its batch's shape;
@@ -642,6 +691,7 @@ public:
     }
 
     std::vector<int32_t> draft_mtp(uint64_t session, int32_t n_keep, int32_t token, int32_t max_draft) override {
+        const PinnedCaller pinned(wanted_cpus());
         std::lock_guard<std::mutex> lock(mutex_);
         if (mtp_ == nullptr) {
             throw ShardError(Status::invalid_argument, "draft_mtp: this shard does not serve the MTP block (opened without load_mtp)");
@@ -1010,10 +1060,16 @@ private:
                                      // every kMtpPending); the rest are skipped
     std::unique_ptr<llama_batch_ext, BatchExtFree> mtp_batch_;
     std::unique_ptr<llama_sampler, SamplerFree> greedy_;
-    ggml_threadpool * threadpool_ = nullptr;
-    ggml_threadpool * threadpool_normal_ = nullptr;  // at prio > 0: the pool of use_priority(false)
-    ggml_threadpool * attached_ = nullptr;           // the pool the context computes with
+    struct PoolFree {
+        void operator()(ggml_threadpool * p) const { ggml_threadpool_free(p); }
+    };
+    // the compute pools made so far, by (priority, CPUs): at most one per compute slot and
+    // priority the worker used
+    std::map<std::pair<int32_t, std::vector<int32_t>>, std::unique_ptr<ggml_threadpool, PoolFree>> pools_;
+    ggml_threadpool * attached_ = nullptr;  // the pool the context computes with
     std::atomic<bool> want_priority_{true};
+    mutable std::mutex placement_mutex_;
+    std::vector<int32_t> want_cpus_;  // use_cpus: the next forwards' CPUs (empty: the kernel's choice)
     bool staged_boundary_ = false;
     std::vector<float> staging_;
     mutable std::mutex mutex_;

@@ -186,6 +186,14 @@ public:
     // stall each other for good, so a caller that could not make sure its graph computes alone
     // (a worker that got no compute slot) computes at normal priority. A no-op at prio 0.
     virtual void use_priority(bool on) = 0;
+    // The CPUs the next forwards compute on, one per compute thread (the calling thread takes the
+    // last while it computes, and gets its own affinity back after), or none: the kernel places
+    // the threads. A woken compute thread is often placed on the core of the thread that woke it,
+    // where the two spin at ggml's barriers in turns while another core idles: on 2 cores, a route
+    // of 2-thread stages behind 10 ms links lost a third of its speed to it. A worker pins each
+    // forward to the cores of the compute slot it holds (slots.h). Throws invalid_argument for a
+    // count other than n_threads or a CPU out of range.
+    virtual void use_cpus(const std::vector<int32_t> & cpus) = 0;
     // MTP drafting at the tail (load_mtp), after a forward with `mtp` set: the session keeps its
     // first n_keep tokens (the rest were drafts its verification rejected) and `token` follows
     // them. Returns up to max_draft greedy drafts of the tokens after `token`, from the MTP block
