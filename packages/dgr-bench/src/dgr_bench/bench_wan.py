@@ -5,8 +5,9 @@ link is delayed: coordinator to head, stage to stage, and the tail's tokens back
 relay mode with 3) and of llama.cpp RPC (two ggml-rpc-servers, -ts 1/1) at 0, 1 and 10 ms of
 added one-way latency, measured in the same run, each DGR row beside its physical floor: the
 whole model's compute per token in one process plus the one-way hops a token must make times
-the delay (forward: one per stage, a ring; relay: two per stage). Writes
-evidence/bench/bench-wan.json.
+the delay (forward: one per stage, a ring; relay: two per stage). All of it at 2 threads per
+process (the alpha protocol's; the gate's metrics) and at 1 (reported with a `_1threads` suffix).
+Writes evidence/bench/bench-wan.json.
 
 `nox -s bench-seam` (DGR-053): the seam-cost model. In relay mode a decode token makes one round
 trip to every stage; through links of latency d and bandwidth B each stage costs 2·d plus the
@@ -42,6 +43,7 @@ PAIR = [(0, 15), (15, 30)]
 PROMPT = [1000 + (i * 7) % 5000 for i in range(64)]
 DECODE_TOKENS = 64  # as the alpha protocol decodes on loopback
 ROUNDS = 5  # paired rounds per row (a round: the floor's compute, then the route), medians
+THREADS = (2, 1)  # per process: the protocol's first, then 1 (reported beside it)
 PROTOCOL_BYTES = 60  # gRPC/HTTP2 framing and the request's own fields, per message (estimate)
 
 
@@ -74,7 +76,7 @@ def through_links(
     return 1 / rate["decode"]
 
 
-def rpc_decode_tps(bench_bin: Path, model: Path, addresses: list[str]) -> float:
+def rpc_decode_tps(bench_bin: Path, model: Path, addresses: list[str], threads: int) -> float:
     out = subprocess.run(
         [
             str(bench_bin),
@@ -87,7 +89,7 @@ def rpc_decode_tps(bench_bin: Path, model: Path, addresses: list[str]) -> float:
             "-d",
             str(len(PROMPT)),  # decode after a prompt, as the DGR rows do
             "-t",
-            "1",
+            str(threads),
             "-r",
             "1",
             "-o",
@@ -118,9 +120,11 @@ def hop_bytes(n_embd: int) -> list[int]:
     return sizes
 
 
-def wan(model: Path, workers: list[WorkerProcess], pair: list[WorkerProcess]) -> dict[str, Any]:
+def wan(
+    model: Path, workers: list[WorkerProcess], pair: list[WorkerProcess], threads: int
+) -> dict[str, Any]:
     """`workers`: the 3-stage route; `pair`: a 2-stage route, the same number of remote hosts as
-    the two RPC servers."""
+    the two RPC servers; every process at `threads`."""
     from dgr_llamacpp.build import build
     from dgr_llamacpp.workspace import open_workspace
     from dgr_native import load
@@ -129,10 +133,10 @@ def wan(model: Path, workers: list[WorkerProcess], pair: list[WorkerProcess]) ->
         open_workspace(), "cpu-rpc", ["llama-bench", "ggml-rpc-server"], log=sys.stderr
     )
 
-    # the floor's compute is timed beside each route round (the whole model in this process, 1
-    # thread): a shared VM drifts over the minutes this takes, and a floor measured once at the
-    # start would carry that drift into every ratio
-    engine = load().Engine(str(model), 0, -1, n_threads=1, n_ctx=1024, max_sessions=1)
+    # the floor's compute is timed beside each route round (the whole model in this process, at
+    # the workers' threads): a shared VM drifts over the minutes this takes, and a floor measured
+    # once at the start would carry that drift into every ratio
+    engine = load().Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
     engine_round(engine, PROMPT, DECODE_TOKENS)  # untimed: the first graphs
     routes = {
         "dgr_forward_3stage": ("forward", workers),
@@ -159,10 +163,10 @@ def wan(model: Path, workers: list[WorkerProcess], pair: list[WorkerProcess]) ->
                     statistics.median(f / s for f, (_, s) in zip(floors, rounds, strict=True)), 3
                 ),
             }
-        procs, servers = rpc_servers(with_rpc / "ggml-rpc-server", 2, 1)
+        procs, servers = rpc_servers(with_rpc / "ggml-rpc-server", 2, threads)
         try:
             with linked(servers, latency) as addresses:
-                rpc_tps = rpc_decode_tps(with_rpc / "llama-bench", model, addresses)
+                rpc_tps = rpc_decode_tps(with_rpc / "llama-bench", model, addresses, threads)
         finally:
             for p in procs:
                 p.terminate()
@@ -171,11 +175,14 @@ def wan(model: Path, workers: list[WorkerProcess], pair: list[WorkerProcess]) ->
         for name in routes:
             row[name]["over_rpc_2servers"] = round(row[name]["decode_tps"] / rpc_tps, 3)
         rows[f"{latency}ms"] = row
-        print(f"{latency:>3} ms one-way on every link; RPC 2 servers {rpc_tps:.1f} tok/s")
+        print(
+            f"{threads}t {latency:>3} ms one-way on every link; RPC 2 servers {rpc_tps:.1f} tok/s"
+        )
         for name in routes:
             r = row[name]
             print(
-                f"    {name:<20} {r['decode_tps']:6.1f} tok/s  floor {r['floor_tps']:6.1f} "
+                f"    {threads}t {name:<20} {r['decode_tps']:6.1f} tok/s  "
+                f"floor {r['floor_tps']:6.1f} "
                 f"({r['hops']} hops)  {r['of_floor']:.2f} of floor  "
                 f"{r['over_rpc_2servers']:.2f}x RPC",
                 flush=True,
@@ -241,36 +248,46 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = model_path(args.model)
     descriptor = descriptor_args(model)
-    workers = [
-        start_worker(model, a, b, descriptor=descriptor, threads=1, n_ctx=1024) for a, b in LAYOUT
-    ]
-    try:
-        n_embd = int(Route.open([w.address for w in workers]).stages[0].describe.boundary.n_embd)
-        if args.seam_model:
+    gate: dict[str, float]
+
+    def fleet(layout: list[tuple[int, int]], threads: int) -> list[WorkerProcess]:
+        return [
+            start_worker(model, a, b, descriptor=descriptor, threads=threads, n_ctx=1024)
+            for a, b in layout
+        ]
+
+    if args.seam_model:
+        workers = fleet(LAYOUT, 1)
+        try:
+            n_embd = int(
+                Route.open([w.address for w in workers]).stages[0].describe.boundary.n_embd
+            )
             result = {"model": args.model, "layout": LAYOUT, **seam_model(workers, n_embd)}
-            name, gate = "bench-seam", {"worst_relative_error": result["worst_relative_error"]}
-        else:
-            pair = [
-                start_worker(model, a, b, descriptor=descriptor, threads=1, n_ctx=1024)
-                for a, b in PAIR
-            ]
+        finally:
+            for w in workers:
+                w.stop()
+        name, gate = "bench-seam", {"worst_relative_error": result["worst_relative_error"]}
+    else:
+        by_threads: dict[str, Any] = {}
+        gate = {}
+        for threads in THREADS:
+            workers, pair = fleet(LAYOUT, threads), fleet(PAIR, threads)
             try:
-                by_latency = wan(model, workers, pair)
+                by_latency = wan(model, workers, pair, threads)
             finally:
-                for w in pair:
+                for w in workers + pair:
                     w.stop()
-            result = {"model": args.model, "layout": LAYOUT, "by_latency": by_latency}
-            name = "bench-wan"
-            gate = {
-                f"{latency}_{name}_{ratio}": row[name][ratio]
+            by_threads[str(threads)] = by_latency
+            suffix = "" if threads == THREADS[0] else f"_{threads}threads"
+            gate |= {
+                f"{latency}_{name}_{ratio}{suffix}": row[name][ratio]
                 for latency, row in by_latency.items()
                 if isinstance(row, dict)
                 for name in ("dgr_forward_3stage", "dgr_forward_2stage", "dgr_relay_3stage")
                 for ratio in ("of_floor", "over_rpc_2servers")
             }
-    finally:
-        for w in workers:
-            w.stop()
+        result = {"model": args.model, "layout": LAYOUT, "by_threads": by_threads}
+        name = "bench-wan"
     result["gate_metrics"] = {name.replace("-", "_"): gate}  # what `dgr-prd gate alpha` reads
     result["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_bench(name, result)
