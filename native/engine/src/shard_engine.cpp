@@ -595,6 +595,16 @@ public:
             }
         }
         if (live.empty()) return;
+        // with a cache stream per sequence, llama.cpp computes the sequences of one batch in one
+        // ubatch only where their ids run consecutively in it (split_equal's `sequential`); in
+        // arrival order, 4 sessions' decode steps took up to 4 graphs: in id order, sessions on
+        // neighbouring ids share one (and sessions take the lowest free id, admit)
+        std::sort(live.begin(), live.end(), [](const Live & a, const Live & b) { return a.session->seq < b.session->seq; });
+        total = 0;
+        for (Live & l : live) {
+            l.offset = total;
+            total += l.item->request.n_tokens;
+        }
 
         // the head and staged-boundary stages carry token ids in the batch (a stage that owns no
         // hash-routed layer never reads them: zeros when no sideband came); other stages carry the
@@ -978,8 +988,10 @@ private:
                 throw ShardError(Status::capacity, "all " + std::to_string(options_.max_sessions) + " session slots are in use");
             }
             Session s;
-            s.seq = free_seqs_.back();
-            free_seqs_.pop_back();
+            // the lowest free id: the sessions of a batch then mostly hold neighbouring ids
+            const auto lowest = std::min_element(free_seqs_.begin(), free_seqs_.end());
+            s.seq = *lowest;
+            free_seqs_.erase(lowest);
             s.epoch = req.epoch;
             llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, -1, -1);
             if (mtp_) llama_memory_seq_rm(llama_get_memory(mtp_), s.seq, -1, -1);
