@@ -34,16 +34,18 @@ bool has_device() {
 
 // The calling thread on the last of `cpus` while it computes as a pool's thread 0 (ggml puts the
 // pool's other threads on the others), its own affinity back when the scope ends: the thread is a
-// worker's handler, whose other work may run anywhere. No CPUs: nothing changes.
+// worker's handler, whose other work may run anywhere. No CPUs: nothing changes. The pool of the
+// scope's forwards is chosen by the same CPUs (cpus()).
 class PinnedCaller {
 public:
-    explicit PinnedCaller(const std::vector<int32_t> & cpus) {
-        if (cpus.empty() || pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_) != 0) return;
+    explicit PinnedCaller(std::vector<int32_t> cpus) : cpus_(std::move(cpus)) {
+        if (cpus_.empty() || pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_) != 0) return;
         cpu_set_t one;
         CPU_ZERO(&one);
-        CPU_SET(cpus.back(), &one);
+        CPU_SET(cpus_.back(), &one);
         pinned_ = pthread_setaffinity_np(pthread_self(), sizeof(one), &one) == 0;
     }
+    const std::vector<int32_t> & cpus() const { return cpus_; }
     ~PinnedCaller() {
         if (pinned_) pthread_setaffinity_np(pthread_self(), sizeof(saved_), &saved_);
     }
@@ -51,6 +53,7 @@ public:
     PinnedCaller & operator=(const PinnedCaller &) = delete;
 
 private:
+    std::vector<int32_t> cpus_;
     cpu_set_t saved_{};
     bool pinned_ = false;
 };
@@ -515,12 +518,12 @@ public:
         return pool.get();
     }
 
-    // the pool this forward computes with, as use_priority and use_cpus asked (with
-    // forward_batch's lock held)
-    void attach_pool() {
+    // the pool this forward computes with, as use_priority asked and on the CPUs its caller was
+    // pinned for (with forward_batch's lock held)
+    void attach_pool(const PinnedCaller & pinned) {
         if (attached_ == nullptr) return;  // ggml made no pool: its own threads compute
         const bool on = want_priority_.load() || options_.prio <= 0;
-        ggml_threadpool * want = pool_for(on ? options_.prio : GGML_SCHED_PRIO_NORMAL, wanted_cpus());
+        ggml_threadpool * want = pool_for(on ? options_.prio : GGML_SCHED_PRIO_NORMAL, pinned.cpus());
         if (want == nullptr) return;  // no such pool: keep the one attached
         if (want != attached_) {
             llama_attach_threadpool(ctx_, want, want);
@@ -640,7 +643,7 @@ public:
             rc = -1;
             detail = "boundary rejected: " + take_or("no detail");
         } else {
-            attach_pool();
+            attach_pool(pinned);
             rc = llama_decode(ctx_, batch);
             if (rc != 0) detail = "llama_decode returned " + std::to_string(rc) + ": " + take_or("no detail");
         }
@@ -729,7 +732,7 @@ public:
         t.rows.resize((t.tokens.size() + 1) * width);
         // the first draft attends to the window before n_keep, and to nothing older
         if (mtp_window_ > 0 && t.tokens.size() > (size_t) mtp_window_) mtp_skip(s, (size_t) mtp_window_);
-        attach_pool();
+        attach_pool(pinned);
         if (!mtp_catch_up(s, n_keep)) {
             throw ShardError(Status::decode_failed, "MTP block: catching up to " + std::to_string(n_keep) + " tokens failed: " +
                                                         take_or("no detail"));
