@@ -121,17 +121,15 @@ def hop_bytes(n_embd: int) -> list[int]:
 
 
 def wan(
-    model: Path, workers: list[WorkerProcess], pair: list[WorkerProcess], threads: int
+    model: Path,
+    workers: list[WorkerProcess],
+    pair: list[WorkerProcess],
+    threads: int,
+    with_rpc: Path,
 ) -> dict[str, Any]:
     """`workers`: the 3-stage route; `pair`: a 2-stage route, the same number of remote hosts as
-    the two RPC servers; every process at `threads`."""
-    from dgr_llamacpp.build import build
-    from dgr_llamacpp.workspace import open_workspace
+    the two RPC servers; every process at `threads`; `with_rpc`: the RPC lane's binaries."""
     from dgr_native import load
-
-    with_rpc = build(
-        open_workspace(), "cpu-rpc", ["llama-bench", "ggml-rpc-server"], log=sys.stderr
-    )
 
     # the floor's compute is timed beside each route round (the whole model in this process, at
     # the workers' threads): a shared VM drifts over the minutes this takes, and a floor measured
@@ -268,12 +266,20 @@ def main(argv: list[str] | None = None) -> int:
                 w.stop()
         name, gate = "bench-seam", {"worst_relative_error": result["worst_relative_error"]}
     else:
+        from dgr_llamacpp.build import build
+        from dgr_llamacpp.workspace import open_workspace
+
+        with_rpc = build(
+            open_workspace(), "cpu-rpc", ["llama-bench", "ggml-rpc-server"], log=sys.stderr
+        )
         by_threads: dict[str, Any] = {}
         gate = {}
         for threads in THREADS:
-            workers, pair = fleet(LAYOUT, threads), fleet(PAIR, threads)
+            workers = fleet(LAYOUT, threads)
+            pair: list[WorkerProcess] = []
             try:
-                by_latency = wan(model, workers, pair, threads)
+                pair = fleet(PAIR, threads)
+                by_latency = wan(model, workers, pair, threads, with_rpc)
             finally:
                 for w in workers + pair:
                     w.stop()
