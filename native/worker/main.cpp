@@ -37,7 +37,9 @@ struct Args {
     std::string model, listen = "127.0.0.1:0";
     int32_t first = 0, last = -1, threads = 2, n_ctx = 2048, n_batch = 512, max_sessions = 4;
     int drain_seconds = 10;
-    int poll = 0;      // ggml threadpool spin level between graphs (0 sleeps, 100 spins)
+    int poll = 50;     // ggml threadpool spin level while a forward is in flight: the pool wakes as
+                       // the forward starts and polls for its graph (0: it sleeps until the graph
+                       // wakes it); between forwards it sleeps whatever this says
     int prio = 0;      // compute threads' priority, as llama.cpp's --prio (0 normal .. 3 realtime);
                        // -1 (auto, opt-in): 1 where allowed and the host's workers take turns (below)
     int rollback = 16; // rejected drafts one forward may drop where state is not positional (V4)

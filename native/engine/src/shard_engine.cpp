@@ -377,6 +377,7 @@ public:
             llama_attach_threadpool(ctx_, pool, pool);
             if (mtp_) llama_attach_threadpool(mtp_, pool, pool);
             attached_ = pool;
+            attached_prio_ = options.prio;
         }
 
         desc_.arch = arch;
@@ -523,12 +524,14 @@ public:
     void attach_pool(const PinnedCaller & pinned) {
         if (attached_ == nullptr) return;  // ggml made no pool: its own threads compute
         const bool on = want_priority_.load() || options_.prio <= 0;
-        ggml_threadpool * want = pool_for(on ? options_.prio : GGML_SCHED_PRIO_NORMAL, pinned.cpus());
+        const int32_t prio = on ? options_.prio : GGML_SCHED_PRIO_NORMAL;
+        ggml_threadpool * want = pool_for(prio, pinned.cpus());
         if (want == nullptr) return;  // no such pool: keep the one attached
         if (want != attached_) {
             llama_attach_threadpool(ctx_, want, want);
             if (mtp_) llama_attach_threadpool(mtp_, want, want);
             attached_ = want;
+            attached_prio_ = prio;
         }
         if (!on) {  // the calling thread may hold the realtime policy from an earlier graph
             sched_param p{};
@@ -561,6 +564,7 @@ public:
         }
         const int32_t n_embd = desc_.boundary.n_embd * desc_.boundary.hc;  // one residual row
         std::lock_guard<std::mutex> lock(mutex_);
+        const AwakePool awake(*this, pinned);
         // admit each item on its own: a refused one gets its error and leaves its session as it
         // was; the rest compute together
         std::vector<Live> live;
@@ -643,13 +647,9 @@ public:
             rc = -1;
             detail = "boundary rejected: " + take_or("no detail");
         } else {
-            attach_pool(pinned);
             rc = llama_decode(ctx_, batch);
             if (rc != 0) detail = "llama_decode returned " + std::to_string(rc) + ": " + take_or("no detail");
         }
-        // a paused pool resumes at its next graph, where ggml also gives the calling thread (a
-        // worker's handler, compute thread 0) the pool's priority
-        if (attached_ != nullptr && options_.sleep_when_idle) ggml_threadpool_pause(attached_);
         llama_batch_free(batch);
         if (rc != 0) {
             // keep every cache equal to what its coordinator believes: drop anything half-written;
@@ -732,7 +732,7 @@ public:
         t.rows.resize((t.tokens.size() + 1) * width);
         // the first draft attends to the window before n_keep, and to nothing older
         if (mtp_window_ > 0 && t.tokens.size() > (size_t) mtp_window_) mtp_skip(s, (size_t) mtp_window_);
-        attach_pool(pinned);
+        const AwakePool awake(*this, pinned);
         if (!mtp_catch_up(s, n_keep)) {
             throw ShardError(Status::decode_failed, "MTP block: catching up to " + std::to_string(n_keep) + " tokens failed: " +
                                                         take_or("no detail"));
@@ -749,7 +749,6 @@ public:
             const int32_t rc = llama_process(mtp_, LLAMA_PROCESS_TYPE_DECODE, mtp_batch_.get());
             if (rc != 0) {
                 llama_memory_seq_rm(mem, s.seq, n_keep, -1);
-                pause_pool();
                 throw ShardError(Status::decode_failed, "MTP draft: llama_process returned " + std::to_string(rc) + ": " +
                                                             take_or("no detail"));
             }
@@ -758,7 +757,6 @@ public:
             const float * next = llama_get_embeddings_nextn_ith(mtp_, 0);
             std::copy(next, next + width, cur.begin());
         }
-        pause_pool();
         return out;
     }
 
@@ -891,7 +889,6 @@ private:
         llama_batch_ext_clear(mtp_batch_.get());
         for (int32_t i = 0; i < m; ++i) mtp_add(s.seq, t.tokens[(size_t) i], t.n + i, t.rows.data() + (size_t) i * width, false);
         const int32_t rc = llama_process(mtp_, LLAMA_PROCESS_TYPE_DECODE, mtp_batch_.get());
-        pause_pool();
         if (rc != 0) {
             llama_memory_seq_rm(mem, s.seq, t.n, -1);
             t.following = false;
@@ -923,6 +920,29 @@ private:
     }
 
     size_t mtp_width() const { return (size_t) desc_.boundary.n_embd * (size_t) mtp_hc_; }
+
+    // The pool of a forward attached for the scope and, where it sleeps between forwards and polls
+    // (`poll` > 0), woken at once: its threads come in while the calling thread validates the
+    // requests and builds the graph, so the graph's first barrier does not wait for a thread
+    // waking on another core. Paused again when the scope ends, whatever happened. A pool at a
+    // raised priority is left asleep: ggml gives the calling thread that priority only when its
+    // graph resumes the pool.
+    class AwakePool {
+    public:
+        AwakePool(LlamaShardEngine & engine, const PinnedCaller & pinned) : engine_(engine) {
+            engine_.attach_pool(pinned);
+            if (engine_.attached_ != nullptr && engine_.options_.sleep_when_idle && engine_.options_.poll > 0 &&
+                engine_.attached_prio_ <= GGML_SCHED_PRIO_NORMAL) {
+                ggml_threadpool_resume(engine_.attached_);
+            }
+        }
+        ~AwakePool() { engine_.pause_pool(); }
+        AwakePool(const AwakePool &) = delete;
+        AwakePool & operator=(const AwakePool &) = delete;
+
+    private:
+        LlamaShardEngine & engine_;
+    };
 
     void pause_pool() {
         if (attached_ != nullptr && options_.sleep_when_idle) ggml_threadpool_pause(attached_);
@@ -1082,6 +1102,7 @@ private:
     // priority the worker used
     std::map<std::pair<int32_t, std::vector<int32_t>>, std::unique_ptr<ggml_threadpool, PoolFree>> pools_;
     ggml_threadpool * attached_ = nullptr;  // the pool the context computes with
+    int32_t attached_prio_ = 0;             // its threads' priority
     std::atomic<bool> want_priority_{true};
     mutable std::mutex placement_mutex_;
     std::vector<int32_t> want_cpus_;  // use_cpus: the next forwards' CPUs (empty: the kernel's choice)

@@ -68,7 +68,10 @@ struct EngineOptions {
                                 // spinning pool steals the cores the next stage computes on
     bool sleep_when_idle = false;  // compute threads sleep after every forward, whatever `poll`
                                    // (an idle stage takes no CPU from the stage computing beside
-                                   // it), and the calling thread takes `prio` at each forward
+                                   // it), and the calling thread takes `prio` at each forward;
+                                   // with `poll` > 0 and normal priority, the pool wakes as each
+                                   // forward starts and polls while the graph is built, so the
+                                   // graph does not wait for a sleeping thread to come in
     int32_t prio = 0;           // compute threads' scheduling priority, as llama.cpp's --prio:
                                 // 0 normal, 1 medium, 2 high, 3 realtime (SCHED_FIFO; needs
                                 // CAP_SYS_NICE, else ggml warns and keeps normal)
