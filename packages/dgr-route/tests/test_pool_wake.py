@@ -25,8 +25,8 @@ def cpu_ns(worker: WorkerProcess) -> int:
 
 
 def test_a_polling_pool_sleeps_once_its_forward_is_done(smollm2: Path) -> None:
-    # the highest spin level: a pool left awake would poll for 2**24 rounds after the last
-    # forward (0.3 s on this machine's EPYC), far over what an idle worker takes
+    # the highest spin level: a pool left awake would poll for 1024 x 128 x 100 rounds after the
+    # last forward (0.3 s on this machine's EPYC), far over what an idle worker takes
     worker = start_worker(
         smollm2,
         0,
