@@ -685,11 +685,13 @@ public:
                 out.n_rows = n_rows;
                 out.row_width = desc_.n_vocab;
                 out.dtype = DType::f32;
-                out.data.resize((size_t) n_rows * desc_.n_vocab * sizeof(float));
+                // appended row by row: a resize would zero 196 KB per row (SmolLM2) before the copy
+                out.data.clear();
+                out.data.reserve((size_t) n_rows * desc_.n_vocab * sizeof(float));
                 for (int32_t r = 0; r < n_rows; ++r) {
                     const int32_t i = l.offset + (req.logits_all ? r : req.n_tokens - 1);
-                    std::memcpy(out.data.data() + (size_t) r * desc_.n_vocab * sizeof(float),
-                                llama_get_logits_ith(ctx_, i), sizeof(float) * desc_.n_vocab);
+                    const auto * row = (const uint8_t *) llama_get_logits_ith(ctx_, i);
+                    out.data.insert(out.data.end(), row, row + sizeof(float) * desc_.n_vocab);
                 }
             } else {
                 out.n_rows = req.n_tokens;

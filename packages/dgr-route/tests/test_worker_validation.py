@@ -17,7 +17,7 @@ import pytest
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
 from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
-from dgr_wire.codec import FNV_OFFSET, encode, prefix_hash
+from dgr_wire.codec import FNV_OFFSET, decode_logits, encode, prefix_hash
 
 # FNV-1a 64 over little-endian int32 ids: the cache expectation every stage and the coordinator
 # compute (native/worker/wire.cpp and dgr_wire.codec.prefix_hash must both give these)
@@ -102,6 +102,31 @@ def test_refused_requests_release_the_queue_and_the_worker_keeps_serving(
     ok = forward(whole, tokens_request(503, [1, 2, 3], temperature=1.0, top_k=40, top_p=0.9))
     assert 0 <= ok.token.token_id < 49152 and ok.token.logprob <= 0.0
     stub(whole).CloseSession(pb.CloseSessionRequest(session_id=503), timeout=10)
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0.0}, {"temperature": 0.8, "top_k": 40, "seed": 7}]
+)
+def test_the_tail_reports_its_pick_and_its_log_softmax(
+    fleet: dict[str, WorkerProcess], sampling: dict[str, float]
+) -> None:
+    """The token and logprob the tail sends against the logits it sends beside them: greedy is the
+    first largest logit (what llama.cpp's greedy sampler picks; the tail finds it without the
+    sampler chain's candidate array), a sampled token comes from the top 40, and either logprob is
+    the log-softmax of the raw logits (the tail's vectorized log-sum-exp, cloned per ISA)."""
+    whole = fleet["whole"]
+    prompt = [1, 4093, 314, 2496, 28]
+    reply = forward(whole, tokens_request(507, prompt, want_logits=True, **sampling))
+    stub(whole).CloseSession(pb.CloseSessionRequest(session_id=507), timeout=10)
+    logits = decode_logits(reply.token.logits).astype(np.float64).reshape(-1)
+    assert logits.shape == (49152,)
+    log_softmax = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    token = reply.token.token_id
+    if sampling["temperature"] == 0.0:
+        assert token == int(np.argmax(logits))
+    else:
+        assert token in set(np.argsort(-logits)[:40].tolist())
+    assert reply.token.logprob == pytest.approx(log_softmax[token], abs=1e-5)
 
 
 def test_a_request_beyond_n_ctx_holds_no_session_slot(fleet: dict[str, WorkerProcess]) -> None:
