@@ -7,6 +7,9 @@ over data links and over gRPC links give the same tokens."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import os
 import socket
 import struct
 import time
@@ -158,6 +161,68 @@ def test_the_worker_serves_on_and_the_route_generates(fleet: list[WorkerProcess]
         route.close()
     assert len(tokens) == 12
     assert [w.sessions(token=TOKEN) for w in fleet] == [0, 0, 0]
+
+
+def accepted_sockets(pid: int, port: int) -> list[socket.socket]:
+    """Copies (pidfd_getfd) of the connections worker `pid` accepted on `port`."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "01":  # ESTABLISHED
+                inodes.add(f[9])
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = libc.syscall(434, pid, 0)  # pidfd_open
+    if pidfd < 0:
+        pytest.skip(f"pidfd_open: {os.strerror(ctypes.get_errno())}")
+    copies = []
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except FileNotFoundError:
+                continue
+            if target.removeprefix("socket:[").removesuffix("]") not in inodes:
+                continue
+            local = libc.syscall(438, pidfd, int(fd), 0)  # pidfd_getfd
+            if local < 0:
+                code = ctypes.get_errno()
+                if code in (errno.EPERM, errno.ENOSYS):
+                    pytest.skip(f"pidfd_getfd: {os.strerror(code)}")
+                continue  # closed meanwhile
+            copies.append(socket.socket(fileno=local))
+    finally:
+        os.close(pidfd)
+    return copies
+
+
+def test_every_connection_the_worker_accepts_sends_at_once(fleet: list[WorkerProcess]) -> None:
+    """TCP_NODELAY on gRPC connections as on data streams: the worker accepts both on its own
+    listener and hands gRPC's to the gRPC server, which sets no socket option on a socket it did
+    not accept. Without it, Nagle held the head's token reply to the coordinator until the
+    client's delayed ACK (30-40 ms per generation)."""
+    worker = fleet[1]
+    host, port = worker.address.rsplit(":", 1)
+    with (
+        grpc.insecure_channel(worker.address) as channel,
+        socket.create_connection((host, int(port)), timeout=10) as data,
+    ):
+        health = channel.unary_unary(
+            "/dgr.v1.ShardService/Health",
+            request_serializer=pb.HealthRequest.SerializeToString,
+            response_deserializer=pb.HealthReply.FromString,
+        )
+        health(pb.HealthRequest(), timeout=10, metadata=[("authorization", f"Bearer {TOKEN}")])
+        data.sendall(b"DGR1")
+        time.sleep(0.2)  # the worker classifies the data stream by its first bytes
+        copies = accepted_sockets(worker.proc.pid, int(port))
+        try:
+            assert len(copies) >= 2, "the worker should hold the gRPC and the data connection"
+            for s in copies:
+                assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0, s
+        finally:
+            for s in copies:
+                s.close()
 
 
 def test_data_and_grpc_links_give_the_same_tokens(smollm2: Path) -> None:
