@@ -619,11 +619,7 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                 // coordinator's business)
                 const Cohort mates = from_wire(ev.reply.cohort());
                 ev.reply.clear_cohort();
-                // the coordinator's reply is due now (the last token always is); a decode step
-                // goes down the ring before it is written, so that the gRPC write (0.1 ms, and
-                // the coordinator's threads it wakes) is off the ring's per-token path
-                const bool due = out.add(std::move(ev.reply), last);
-                if (last && !stream->Write(out.take())) {
+                if (out.add(std::move(ev.reply), last) && !stream->Write(out.take())) {
                     result = Status(StatusCode::CANCELLED, "the coordinator went away");
                     done = true;
                     batcher_.forgo(mates);
@@ -678,11 +674,6 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                 step.mutable_expect()->set_prefix_hash(hash);
                 step_sent = std::chrono::steady_clock::now();
                 process(step, sent != 0 ? peers_behind(flow.get(), sent) : 0);
-                // a failed step wrote what was pending with its error (fail)
-                if (due && !done && !stream->Write(out.take())) {
-                    result = Status(StatusCode::CANCELLED, "the coordinator went away");
-                    done = true;
-                }
                 break;
             }
             case Event::failure: fail(ev.error); break;
