@@ -31,11 +31,17 @@ int64_t now_ms() {
         .count();
 }
 
-// TCP_NODELAY (a boundary goes out at once) and TCP_USER_TIMEOUT (data unacknowledged for the
+// TCP_NODELAY: a small message (a boundary, a token) goes out at once, not after the peer's
+// delayed ACK of the one before
+void send_at_once(int fd) {
+    const int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+// a data stream's socket: sends at once, and TCP_USER_TIMEOUT (data unacknowledged for the
 // keepalive bound breaks the stream, where the peer's host vanished)
 void tune(int fd, int keepalive_ms) {
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    send_at_once(fd);
     unsigned timeout = (unsigned) (keepalive_ms + keepalive_ms / 2);
     setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &timeout, sizeof(timeout));
 }
@@ -372,8 +378,7 @@ void Listener::classify(int fd) {
         // gRPC owns the socket from here, and reads it without blocking. Its own listener would
         // have set TCP_NODELAY: without it, Nagle held a reply (a token to the coordinator) while
         // an earlier segment was unacknowledged, until the client's delayed ACK, 30-40 ms
-        const int one = 1;
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        send_at_once(fd);
         ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
         grpc::AddInsecureChannelFromFd(server_, fd);
     } else if (!stopping_.load() && got == sizeof(head) && data) {
