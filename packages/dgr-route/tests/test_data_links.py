@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 from dgr.v1 import shard_pb2 as pb
+from dgr.v1 import shard_pb2_grpc as pb_grpc
 from dgr_cli.workers import WorkerProcess, descriptor_args, start_stages, start_worker
 from dgr_route.route import Route, RouteError
 from dgr_wire.codec import FNV_OFFSET
@@ -207,12 +208,11 @@ def test_every_connection_the_worker_accepts_sends_at_once(fleet: list[WorkerPro
         grpc.insecure_channel(worker.address) as channel,
         socket.create_connection((host, int(port)), timeout=10) as data,
     ):
-        health = channel.unary_unary(
-            "/dgr.v1.ShardService/Health",
-            request_serializer=pb.HealthRequest.SerializeToString,
-            response_deserializer=pb.HealthReply.FromString,
+        # a call on a channel that stays open while its socket is read (WorkerProcess.sessions
+        # closes its own)
+        pb_grpc.ShardServiceStub(channel).Health(
+            pb.HealthRequest(), timeout=10, metadata=[("authorization", f"Bearer {TOKEN}")]
         )
-        health(pb.HealthRequest(), timeout=10, metadata=[("authorization", f"Bearer {TOKEN}")])
         data.sendall(b"DGR1")
         time.sleep(0.2)  # the worker classifies the data stream by its first bytes
         copies = accepted_sockets(worker.proc.pid, int(port))
