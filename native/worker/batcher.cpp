@@ -126,6 +126,7 @@ void Batcher::take_turn(std::unique_lock<std::mutex> & lock) {
     }
     bool alone = true;
     try {
+        slots_.settle(engine_.session_count() <= 1);
         const ComputeSlots::Hold slot = slots_.acquire();
         alone = slot.alone();
         slot.place(engine_);

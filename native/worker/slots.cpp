@@ -1,5 +1,6 @@
 #include "slots.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/file.h>
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -18,7 +20,7 @@ namespace dgr::worker {
 ComputeSlots::ComputeSlots(const std::string & dir, int n, int pin_threads) : pin_threads_(pin_threads) {
     if (dir.empty()) return;
     cpu_set_t set;
-    if (pin_threads_ > 1 && sched_getaffinity(0, sizeof(set), &set) == 0) {
+    if (pin_threads_ > 0 && sched_getaffinity(0, sizeof(set), &set) == 0) {
         for (int32_t c = 0; c < CPU_SETSIZE; ++c) {
             if (CPU_ISSET(c, &set)) allowed_.push_back(c);
         }
@@ -47,20 +49,21 @@ ComputeSlots::Hold::~Hold() {
 
 ComputeSlots::Hold ComputeSlots::acquire() {
     if (fds_.empty()) return Hold();
-    // whichever slot frees first, polled with a short growing pause: blocking on one slot would
+    // the lowest slot that is free, polled with a short growing pause: blocking on one slot would
     // tie this worker to its holder, and a holder that hangs (SIGSTOP, a debugger, a stall) would
     // then stop every worker queued behind it while other slots sit free. Slots only keep
     // spinning graphs apart: past kMaxWait with all of them held, compute anyway.
+    // Lowest first: the stages of a lone session compute one after another, so each finds slot 0
+    // free and computes on its cores, where the workers' other threads wait (home()); only
+    // forwards that overlap spread to the other slots' cores.
     const auto give_up = std::chrono::steady_clock::now() + kMaxWait;
     auto pause = std::chrono::microseconds(20);
     while (true) {
-        for (size_t i = 0; i < fds_.size(); ++i) {
-            const size_t slot = (size_t) next_ % fds_.size();
+        for (size_t slot = 0; slot < fds_.size(); ++slot) {
             const int fd = fds_[slot];
-            next_ = (next_ + 1) % (int) fds_.size();
             if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
                 const size_t first = slot * (size_t) pin_threads_;
-                if (pin_threads_ < 2 || first + (size_t) pin_threads_ > allowed_.size()) return Hold(fd);
+                if (pin_threads_ < 1 || first + (size_t) pin_threads_ > allowed_.size()) return Hold(fd);
                 return Hold(fd, true, std::vector<int32_t>(allowed_.begin() + (long) first,
                                                            allowed_.begin() + (long) (first + (size_t) pin_threads_)));
             }
@@ -69,6 +72,39 @@ ComputeSlots::Hold ComputeSlots::acquire() {
         if (std::chrono::steady_clock::now() > give_up) return Hold(-1, false);
         std::this_thread::sleep_for(pause);
         pause = std::min(pause * 2, std::chrono::microseconds(200));
+    }
+}
+
+std::vector<int32_t> ComputeSlots::home() const {
+    if (fds_.empty() || pin_threads_ < 1 || (size_t) pin_threads_ > allowed_.size()) return {};
+    return std::vector<int32_t>(allowed_.begin(), allowed_.begin() + pin_threads_);
+}
+
+namespace {
+
+cpu_set_t to_set(const std::vector<int32_t> & cpus) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int32_t c : cpus) CPU_SET(c, &set);
+    return set;
+}
+
+}  // namespace
+
+void ComputeSlots::settle(bool lone) {
+    const std::vector<int32_t> near = home();
+    if (near.empty() || near.size() == allowed_.size()) return;  // nothing to choose between
+    const int want = lone ? 1 : 0;
+    if (settled_.exchange(want) == want) return;
+    const cpu_set_t set = to_set(lone ? near : allowed_);
+    // every thread of the process, this one included; a thread started meanwhile by one not yet
+    // moved keeps its creator's cores until the next change
+    if (DIR * tasks = opendir("/proc/self/task")) {
+        while (const dirent * e = readdir(tasks)) {
+            const int tid = std::atoi(e->d_name);
+            if (tid > 0) sched_setaffinity(tid, sizeof(set), &set);
+        }
+        closedir(tasks);
     }
 }
 

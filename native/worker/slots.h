@@ -12,6 +12,7 @@
 
 #include "dgr/shard_engine.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -22,7 +23,7 @@ namespace dgr::worker {
 class ComputeSlots {
 public:
     // `dir` empty: no slots (every compute proceeds at once); otherwise n >= 1 slot files in dir.
-    // `pin_threads` > 1: a held slot names that many cores for its forward's threads (cpus())
+    // `pin_threads` > 0: a held slot names that many cores for its forward's threads (cpus())
     ComputeSlots(const std::string & dir, int n, int pin_threads = 0);
     ~ComputeSlots();
     ComputeSlots(const ComputeSlots &) = delete;
@@ -61,13 +62,26 @@ public:
     // waits until any slot is free, or kMaxWait with every slot held (then computes without one,
     // and at normal priority: Hold::alone is false)
     Hold acquire();
+    // Where the worker's threads wait between forwards: on slot 0's cores while it serves one
+    // session (`lone`), on every core it may use while it serves more. A lone session's stages
+    // compute on slot 0 in turn (acquire takes the lowest free slot), so the stage that sends a
+    // boundary and the one woken to take it share a core that stays busy. Woken on an idle core
+    // instead, the next stage pays, on a VM, a halted vCPU's wake and computes slower after it
+    // (3 one-thread stages on 2 cores: 13-15 ms per token where one process takes 11-12). With
+    // several sessions the stages overlap: a thread held to a computing core would wait behind
+    // that compute (4 sessions' FIFO turns fell from 85 to 55 tokens/s). Moves every thread of
+    // the process, and only when `lone` changes; a no-op without pinning or where slot 0 spans
+    // every core.
+    void settle(bool lone);
     static constexpr std::chrono::milliseconds kMaxWait{2000};
     int count() const { return (int) fds_.size(); }
+    // the cores of slot 0 (empty: no slots, pinning off, or fewer cores than a slot needs)
+    std::vector<int32_t> home() const;
 
 private:
     std::vector<int> fds_;
-    int next_ = 0;
     int pin_threads_ = 0;
+    std::atomic<int> settled_{-1};  // settle: 1 lone, 0 not, -1 not yet
     std::vector<int32_t> allowed_;  // the cores this process may run on, in order
 };
 

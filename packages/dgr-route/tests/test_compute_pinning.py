@@ -11,6 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_route.route import Route
 
@@ -70,3 +71,40 @@ def test_pin_takes_on_or_off(smollm2: Path) -> None:
     )
     assert done.returncode == 2, done.stderr
     assert "--pin: on or off, not yes" in done.stderr
+
+
+def test_a_worker_serving_one_session_waits_on_the_cores_of_slot_0(
+    smollm2: Path, tmp_path: Path
+) -> None:
+    """One session: every thread of a 1-thread worker on slot 0's core, where each of the
+    session's stages computes in turn, so that a stage is woken on a busy core rather than a
+    halted one. Two sessions: back on every core, where their stages' forwards overlap."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("one core: nothing to choose between")
+    worker = start_worker(
+        smollm2,
+        0,
+        30,
+        descriptor=descriptor_args(smollm2),
+        threads=1,
+        n_ctx=128,
+        max_sessions=2,
+        extra=["--compute-slots", str(tmp_path / "slots")],
+    )
+    home = {min(allowed)}
+    try:
+        # relay mode: a session stays open on the worker while its generator waits
+        one = Route.open([worker.address], timeout=60, mode="relay")
+        two = Route.open([worker.address], timeout=60, mode="relay")
+        first = one.generate(PROMPT, 3)
+        next(first)  # session 1 alone
+        assert all(a == home for a in affinities(worker))
+        assert len(list(two.generate(PROMPT, 3))) == 3  # session 2 beside it
+        assert all(a == allowed for a in affinities(worker))
+        assert len(list(first)) == 2  # session 1 alone again
+        assert all(a == home for a in affinities(worker))
+        one.close()
+        two.close()
+    finally:
+        worker.stop()
