@@ -38,7 +38,7 @@ struct ServiceOptions {
     int gather_us = 5000;  // how long a decode step that arrived in a cohort waits for the rest (batcher.h)
     std::string compute_slots_dir;  // shared by the host's workers (empty: no slots)
     int compute_slots = 1;
-    int pin_threads = 0;  // > 0: each forward's compute threads on the cores of its slot (slots.h)
+    int pin_threads = 0;  // > 1: each forward's threads on its slot's cores; > 0: settle (slots.h)
 };
 
 struct HeadFlow;

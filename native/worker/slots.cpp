@@ -9,13 +9,30 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <thread>
 
 namespace dgr::worker {
+
+namespace {
+
+int64_t now_ns() {
+    return (int64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+cpu_set_t to_set(const std::vector<int32_t> & cpus) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int32_t c : cpus) CPU_SET(c, &set);
+    return set;
+}
+
+}  // namespace
 
 ComputeSlots::ComputeSlots(const std::string & dir, int n, int pin_threads) : pin_threads_(pin_threads) {
     if (dir.empty()) return;
@@ -37,10 +54,28 @@ ComputeSlots::ComputeSlots(const std::string & dir, int n, int pin_threads) : pi
         }
         fds_.push_back(fd);
     }
+    // when a forward last found slot 0 taken, for every worker of the host (settle); a worker
+    // that cannot open it only goes by its own forwards
+    contended_fd_ = open((dir + "/contended").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
 }
 
 ComputeSlots::~ComputeSlots() {
     for (int fd : fds_) close(fd);
+    if (contended_fd_ >= 0) close(contended_fd_);
+}
+
+void ComputeSlots::mark_contended() {
+    const int64_t now = now_ns();
+    contended_ns_.store(now);
+    if (contended_fd_ >= 0) (void) !pwrite(contended_fd_, &now, sizeof(now), 0);
+}
+
+int64_t ComputeSlots::last_contended() const {
+    int64_t last = contended_ns_.load(), shared = 0;
+    if (contended_fd_ >= 0 && pread(contended_fd_, &shared, sizeof(shared), 0) == (ssize_t) sizeof(shared)) {
+        last = std::max(last, shared);
+    }
+    return last;
 }
 
 ComputeSlots::Hold::~Hold() {
@@ -63,11 +98,12 @@ ComputeSlots::Hold ComputeSlots::acquire() {
             const int fd = fds_[slot];
             if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
                 const size_t first = slot * (size_t) pin_threads_;
-                if (pin_threads_ < 1 || first + (size_t) pin_threads_ > allowed_.size()) return Hold(fd);
+                if (pin_threads_ < 2 || first + (size_t) pin_threads_ > allowed_.size()) return Hold(fd);
                 return Hold(fd, true, std::vector<int32_t>(allowed_.begin() + (long) first,
                                                            allowed_.begin() + (long) (first + (size_t) pin_threads_)));
             }
             if (errno != EWOULDBLOCK && errno != EINTR) return Hold(-1, false);  // cannot lock: compute anyway
+            if (slot == 0) mark_contended();  // another compute on slot 0's cores (settle)
         }
         if (std::chrono::steady_clock::now() > give_up) return Hold(-1, false);
         std::this_thread::sleep_for(pause);
@@ -80,23 +116,14 @@ std::vector<int32_t> ComputeSlots::home() const {
     return std::vector<int32_t>(allowed_.begin(), allowed_.begin() + pin_threads_);
 }
 
-namespace {
-
-cpu_set_t to_set(const std::vector<int32_t> & cpus) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    for (int32_t c : cpus) CPU_SET(c, &set);
-    return set;
-}
-
-}  // namespace
 
 void ComputeSlots::settle(bool lone) {
     const std::vector<int32_t> near = home();
     if (near.empty() || near.size() == allowed_.size()) return;  // nothing to choose between
-    const int want = lone ? 1 : 0;
+    const int64_t calm_since = last_contended() + std::chrono::nanoseconds(kContendedFor).count();
+    const int want = lone && now_ns() >= calm_since ? 1 : 0;
     if (settled_.exchange(want) == want) return;
-    const cpu_set_t set = to_set(lone ? near : allowed_);
+    const cpu_set_t set = to_set(want == 1 ? near : allowed_);
     // every thread of the process, this one included; a thread started meanwhile by one not yet
     // moved keeps its creator's cores until the next change
     if (DIR * tasks = opendir("/proc/self/task")) {

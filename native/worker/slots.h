@@ -23,7 +23,8 @@ namespace dgr::worker {
 class ComputeSlots {
 public:
     // `dir` empty: no slots (every compute proceeds at once); otherwise n >= 1 slot files in dir.
-    // `pin_threads` > 0: a held slot names that many cores for its forward's threads (cpus())
+    // `pin_threads` > 1: a held slot names that many cores for its forward's threads (cpus());
+    // > 0: the worker's threads settle on slot 0's cores while it serves one session (settle)
     ComputeSlots(const std::string & dir, int n, int pin_threads = 0);
     ~ComputeSlots();
     ComputeSlots(const ComputeSlots &) = delete;
@@ -64,15 +65,22 @@ public:
     Hold acquire();
     // Where the worker's threads wait between forwards: on slot 0's cores while it serves one
     // session (`lone`), on every core it may use while it serves more. A lone session's stages
-    // compute on slot 0 in turn (acquire takes the lowest free slot), so the stage that sends a
-    // boundary and the one woken to take it share a core that stays busy. Woken on an idle core
+    // compute in turn, each on slot 0 (acquire takes the lowest free slot; a 1-thread forward
+    // computes where its settled thread is), so the stage that sends a boundary and the one
+    // woken to take it share a core that stays busy. Woken on an idle core
     // instead, the next stage pays, on a VM, a halted vCPU's wake and computes slower after it
     // (3 one-thread stages on 2 cores: 13-15 ms per token where one process takes 11-12). With
     // several sessions the stages overlap: a thread held to a computing core would wait behind
-    // that compute (4 sessions' FIFO turns fell from 85 to 55 tokens/s). Moves every thread of
-    // the process, and only when `lone` changes; a no-op without pinning or where slot 0 spans
-    // every core.
+    // that compute (2 sessions' FIFO turns fell from 93 to 59 tokens/s). The same holds for
+    // other workers of the host: after a forward of any of them found slot 0 taken (acquire,
+    // stamped in the slot directory's `contended` file), none counts as lone for kContendedFor.
+    // Two 1-session routes through six 1-thread workers on 2 cores, 64 tokens each, decoded 113
+    // tok/s together with each worker going by its own forwards only, 126 with the shared stamp,
+    // 137 with placement left to the kernel: each generation's first forwards still compute
+    // settled until a contention is seen. Moves every thread of the process, and only when that
+    // changes; a no-op without pinning or where slot 0 spans every core.
     void settle(bool lone);
+    static constexpr std::chrono::milliseconds kContendedFor{250};
     static constexpr std::chrono::milliseconds kMaxWait{2000};
     int count() const { return (int) fds_.size(); }
     // the cores of slot 0 (empty: no slots, pinning off, or fewer cores than a slot needs)
@@ -82,6 +90,10 @@ private:
     std::vector<int> fds_;
     int pin_threads_ = 0;
     std::atomic<int> settled_{-1};  // settle: 1 lone, 0 not, -1 not yet
+    std::atomic<int64_t> contended_ns_{0};  // steady clock: a forward here found slot 0 taken
+    int contended_fd_ = -1;                  // the same stamp for the host's workers
+    void mark_contended();
+    int64_t last_contended() const;
     std::vector<int32_t> allowed_;  // the cores this process may run on, in order
 };
 

@@ -108,3 +108,45 @@ def test_a_worker_serving_one_session_waits_on_the_cores_of_slot_0(
         two.close()
     finally:
         worker.stop()
+
+
+def test_a_worker_that_found_slot_0_taken_waits_on_every_core(
+    smollm2: Path, tmp_path: Path
+) -> None:
+    """One session, but another compute of the host on slot 0 (here: this test holding its
+    lock): the worker counts as not lone and leaves its threads on every core, and settles on
+    slot 0 again once slot 0 has been free for a while."""
+    import fcntl
+    import time
+
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("one core: nothing to choose between")
+    slots = tmp_path / "slots"
+    worker = start_worker(
+        smollm2,
+        0,
+        30,
+        descriptor=descriptor_args(smollm2),
+        threads=1,
+        n_ctx=128,
+        extra=["--compute-slots", str(slots)],
+    )
+    home = {min(allowed)}
+    try:
+        route = Route.open([worker.address], timeout=60, mode="relay")
+        assert len(list(route.generate(PROMPT, 3))) == 3
+        assert all(a == home for a in affinities(worker))
+        fd = os.open(slots / f"slot-0-of-{len(allowed)}", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            assert len(list(route.generate(PROMPT, 3))) == 3  # computes on slot 1
+            assert all(a == allowed for a in affinities(worker))
+        finally:
+            os.close(fd)
+        time.sleep(0.5)  # slot 0 free for longer than ComputeSlots::kContendedFor
+        assert len(list(route.generate(PROMPT, 3))) == 3
+        assert all(a == home for a in affinities(worker))
+        route.close()
+    finally:
+        worker.stop()
