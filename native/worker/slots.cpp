@@ -54,6 +54,9 @@ ComputeSlots::ComputeSlots(const std::string & dir, int n, int pin_threads) : pi
         }
         fds_.push_back(fd);
     }
+    if (pin_threads_ > 0 && (size_t) pin_threads_ <= allowed_.size()) {
+        home_.assign(allowed_.begin(), allowed_.begin() + pin_threads_);
+    }
     // when a forward last found slot 0 taken, for every worker of the host (settle); a worker
     // that cannot open it only goes by its own forwards
     contended_fd_ = open((dir + "/contended").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
@@ -89,7 +92,7 @@ ComputeSlots::Hold ComputeSlots::acquire() {
     // then stop every worker queued behind it while other slots sit free. Slots only keep
     // spinning graphs apart: past kMaxWait with all of them held, compute anyway.
     // Lowest first: the stages of a lone session compute one after another, so each finds slot 0
-    // free and computes on its cores, where the workers' other threads wait (home()); only
+    // free and computes on its cores, where the workers' other threads wait (settle); only
     // forwards that overlap spread to the other slots' cores.
     const auto give_up = std::chrono::steady_clock::now() + kMaxWait;
     auto pause = std::chrono::microseconds(20);
@@ -111,19 +114,12 @@ ComputeSlots::Hold ComputeSlots::acquire() {
     }
 }
 
-std::vector<int32_t> ComputeSlots::home() const {
-    if (fds_.empty() || pin_threads_ < 1 || (size_t) pin_threads_ > allowed_.size()) return {};
-    return std::vector<int32_t>(allowed_.begin(), allowed_.begin() + pin_threads_);
-}
-
-
 void ComputeSlots::settle(bool lone) {
-    const std::vector<int32_t> near = home();
-    if (near.empty() || near.size() == allowed_.size()) return;  // nothing to choose between
-    const int64_t calm_since = last_contended() + std::chrono::nanoseconds(kContendedFor).count();
+    if (home_.empty() || home_.size() == allowed_.size()) return;  // nothing to choose between
+    const int64_t calm_since = lone ? last_contended() + std::chrono::nanoseconds(kContendedFor).count() : 0;
     const int want = lone && now_ns() >= calm_since ? 1 : 0;
     if (settled_.exchange(want) == want) return;
-    const cpu_set_t set = to_set(want == 1 ? near : allowed_);
+    const cpu_set_t set = to_set(want == 1 ? home_ : allowed_);
     // every thread of the process, this one included; a thread started meanwhile by one not yet
     // moved keeps its creator's cores until the next change
     if (DIR * tasks = opendir("/proc/self/task")) {

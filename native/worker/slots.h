@@ -83,8 +83,6 @@ public:
     static constexpr std::chrono::milliseconds kContendedFor{250};
     static constexpr std::chrono::milliseconds kMaxWait{2000};
     int count() const { return (int) fds_.size(); }
-    // the cores of slot 0 (empty: no slots, pinning off, or fewer cores than a slot needs)
-    std::vector<int32_t> home() const;
 
 private:
     std::vector<int> fds_;
@@ -95,6 +93,7 @@ private:
     void mark_contended();
     int64_t last_contended() const;
     std::vector<int32_t> allowed_;  // the cores this process may run on, in order
+    std::vector<int32_t> home_;     // slot 0's cores (empty: no slots, pinning off, or too few cores)
 };
 
 // cores / threads, at least 1

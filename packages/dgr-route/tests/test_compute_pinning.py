@@ -73,25 +73,31 @@ def test_pin_takes_on_or_off(smollm2: Path) -> None:
     assert "--pin: on or off, not yes" in done.stderr
 
 
-def test_a_worker_serving_one_session_waits_on_the_cores_of_slot_0(
-    smollm2: Path, tmp_path: Path
-) -> None:
-    """One session: every thread of a 1-thread worker on slot 0's core, where each of the
-    session's stages computes in turn, so that a stage is woken on a busy core rather than a
-    halted one. Two sessions: back on every core, where their stages' forwards overlap."""
-    allowed = os.sched_getaffinity(0)
-    if len(allowed) < 2:
+def one_thread_worker(smollm2: Path, slots: Path, **kw: int) -> WorkerProcess:
+    """A 1-thread worker over the whole model with its own compute-slot directory; skips on a
+    single core, where there is nothing to choose between."""
+    if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: nothing to choose between")
-    worker = start_worker(
+    return start_worker(
         smollm2,
         0,
         30,
         descriptor=descriptor_args(smollm2),
         threads=1,
         n_ctx=128,
-        max_sessions=2,
-        extra=["--compute-slots", str(tmp_path / "slots")],
+        extra=["--compute-slots", str(slots)],
+        **kw,
     )
+
+
+def test_a_worker_serving_one_session_waits_on_the_cores_of_slot_0(
+    smollm2: Path, tmp_path: Path
+) -> None:
+    """One session: every thread of a 1-thread worker on slot 0's core, where each of the
+    session's stages computes in turn, so that a stage is woken on a busy core rather than a
+    halted one. Two sessions: back on every core, where their stages' forwards overlap."""
+    worker = one_thread_worker(smollm2, tmp_path / "slots", max_sessions=2)
+    allowed = os.sched_getaffinity(0)
     home = {min(allowed)}
     try:
         # relay mode: a session stays open on the worker while its generator waits
@@ -119,19 +125,9 @@ def test_a_worker_that_found_slot_0_taken_waits_on_every_core(
     import fcntl
     import time
 
-    allowed = os.sched_getaffinity(0)
-    if len(allowed) < 2:
-        pytest.skip("one core: nothing to choose between")
     slots = tmp_path / "slots"
-    worker = start_worker(
-        smollm2,
-        0,
-        30,
-        descriptor=descriptor_args(smollm2),
-        threads=1,
-        n_ctx=128,
-        extra=["--compute-slots", str(slots)],
-    )
+    worker = one_thread_worker(smollm2, slots)
+    allowed = os.sched_getaffinity(0)
     home = {min(allowed)}
     try:
         route = Route.open([worker.address], timeout=60, mode="relay")
