@@ -392,3 +392,51 @@ def test_an_abandoned_stream_frees_its_session(
     while s.Health(pb.HealthRequest(), timeout=10).sessions != before:
         assert time.monotonic() < deadline, "the worker should free the abandoned session"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("mode", ["forward", "relay"])
+def test_a_process_that_leaves_a_route_open_mid_generation_exits(
+    workers: dict[tuple[int, int], WorkerProcess], mode: str
+) -> None:
+    """Neither closing the route nor finishing the generator: the generator ends at interpreter
+    exit, where gRPC's timers no longer run, so the session's close must not wait on a call's
+    deadline alone (relay mode waited forever there)."""
+    import sys
+
+    addresses = [workers[r].address for r in LAYOUTS[2]]
+    program = (
+        "import sys\n"
+        "from dgr_route.route import Route\n"
+        f"route = Route.open({addresses!r}, timeout=30, mode={mode!r})\n"
+        "tokens = route.generate(list(range(1000, 1012)), 8)\n"
+        "next(tokens)\n"
+        "print('left open', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "left open\n"
+    # and the stages freed the session it left
+    for r in LAYOUTS[2]:
+        deadline = time.monotonic() + 10
+        while workers[r].sessions() != 0:
+            assert time.monotonic() < deadline, f"stage {r} kept the session"
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize("mode", ["forward", "relay"])
+def test_closing_a_route_ends_its_generations_and_frees_their_sessions(
+    workers: dict[tuple[int, int], WorkerProcess], mode: str
+) -> None:
+    route = route_of(workers, LAYOUTS[2], mode=mode)
+    tokens = route.generate(list(range(1000, 1012)), 8)
+    next(tokens)
+    assert [workers[r].sessions() for r in LAYOUTS[2]] == [1, 1]
+    route.close()
+    assert list(tokens) == []  # ended: nothing more comes, and no error either
+    for r in LAYOUTS[2]:
+        deadline = time.monotonic() + 10
+        while workers[r].sessions() != 0:
+            assert time.monotonic() < deadline, f"stage {r} kept the session"
+            time.sleep(0.1)

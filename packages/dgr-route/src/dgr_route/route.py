@@ -14,12 +14,16 @@ the field. Two modes (docs/architecture.md has the hop counts):
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import queue
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import grpc
 import numpy as np
@@ -55,6 +59,8 @@ REPLAY_BATCH = 32
 # reply wakes this process, and its threads would take CPU from a stage computing on the same
 # host. 25 ms is below what a reader of a stream notices; the first token and the last go at once.
 TOKEN_INTERVAL_MS = 25
+# how long the end of a relay generation waits for a stage to free the session (CloseSession)
+CLOSE_TIMEOUT = 2.0
 STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -257,7 +263,7 @@ class SeamTraffic:
         return {"boundary": self.boundary_bytes / n, "sideband": self.sideband_bytes / n}
 
 
-@dataclass
+@dataclass(eq=False)  # a route is itself (OPEN_ROUTES), not its fields
 class Route:
     stages: list[Stage]
     timeout: float = 60.0
@@ -270,6 +276,10 @@ class Route:
     draft: Draft = field(default_factory=Draft)  # forward mode: speculative decoding
     n_layer: int = field(init=False)
     wire: SeamTraffic = field(init=False)  # relay mode: what crossed the seams through here
+    # generations not yet ended (close ends them)
+    live: weakref.WeakSet[Generator[pb.TokenResult, None, None]] = field(
+        init=False, default_factory=weakref.WeakSet
+    )
 
     def __post_init__(self) -> None:
         check_wire_dtype(self.wire_dtype)
@@ -281,6 +291,7 @@ class Route:
         check_draft(self.draft, self.mode)
         self.n_layer = self.stages[0].describe.compatibility.n_layer
         self.wire = SeamTraffic()
+        OPEN_ROUTES.add(self)
 
     @property
     def lanes(self) -> list[str]:
@@ -327,8 +338,16 @@ class Route:
         return cls(stages, timeout, wire_dtype, mode, list(peers or []), token_interval_ms, draft)
 
     def close(self) -> None:
+        """End the route's generations still open (each frees its session on the stages, as it
+        does when it runs out), then its channels. A generation running in another thread at
+        that moment is left to end on its own: its next call fails on the closed channel."""
+        for generation in list(self.live):
+            # "generator already executing": it is mid-step in another thread
+            with contextlib.suppress(ValueError):
+                generation.close()
         for stage in self.stages:
             stage.channel.close()
+        OPEN_ROUTES.discard(self)
 
     def generate(
         self,
@@ -376,7 +395,24 @@ class Route:
         """Prefill `history` (the prompt, or everything so far when a session moves to this
         route under a new epoch: then `prompt_len` says where its generated tokens start, see
         prefill_plan) from n_past 0, then decode; each result is the next token. The session's
-        caches on these stages are closed when the generator ends."""
+        caches on these stages are closed when the generator ends, or when the route closes."""
+        generation = self._generation(
+            session, epoch, history, max_tokens, sampling, stop, prompt_len, usage
+        )
+        self.live.add(generation)
+        return generation
+
+    def _generation(
+        self,
+        session: int,
+        epoch: int,
+        history: list[int],
+        max_tokens: int,
+        sampling: Sampling | None,
+        stop: set[int] | None,
+        prompt_len: int | None,
+        usage: DraftUsage | None,
+    ) -> Generator[pb.TokenResult, None, None]:
         sampling = sampling or Sampling()
         chunk = min(s.describe.max_tokens_per_message for s in self.stages)
         plan = prefill_plan(len(history), chunk, prompt_len)
@@ -409,12 +445,14 @@ class Route:
             # in parallel and briefly: a dead or hung stage must not delay the error
             closing = [
                 stage.stub.CloseSession.future(
-                    pb.CloseSessionRequest(session_id=session), timeout=2, metadata=stage.metadata
+                    pb.CloseSessionRequest(session_id=session),
+                    timeout=CLOSE_TIMEOUT,
+                    metadata=stage.metadata,
                 )
                 for stage in self.stages
             ]
             for future in closing:
-                future.exception()  # waits; a dead stage has no session left to close
+                settled(future)  # a dead stage has no session left to close
 
     def _run_forward(
         self,
@@ -487,7 +525,7 @@ class Route:
             for s in self.stages
         ]
         for stage, check in zip(self.stages, checks, strict=True):
-            if check.exception() is not None:
+            if not settled(check, probe):
                 return RouteError(
                     stage.index,
                     stage.address,
@@ -530,6 +568,33 @@ class Route:
                 return reply.token
             boundary = reply.boundary
         raise RouteError(len(streams) - 1, streams[-1].stage.address, "the tail sent no token")
+
+
+# routes not closed yet: closed at interpreter exit, while gRPC still runs (atexit comes before
+# the interpreter stops its daemon threads). Left to the garbage collection of the interpreter's
+# end instead, a generation's close could wait forever on a lock held by a stopped gRPC thread.
+OPEN_ROUTES: weakref.WeakSet[Route] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_routes() -> None:
+    for route in list(OPEN_ROUTES):
+        route.close()
+
+
+def settled(future: grpc.Future[Any], within: float = CLOSE_TIMEOUT) -> bool:
+    """Whether a unary call's future ended without an error, waiting at most `within` seconds
+    (and a little more) of this thread's own clock: the call's deadline alone is no bound when
+    nothing runs gRPC's timers any more, as at interpreter exit, where an unfinished generator
+    of an unclosed route ends (a forever-wait there hung the process). One not done is cancelled."""
+    try:
+        future.result(timeout=within + 0.5)
+    except grpc.FutureTimeoutError:
+        future.cancel()
+        return False
+    except (grpc.RpcError, grpc.FutureCancelledError):
+        return False
+    return True
 
 
 def prefill_plan(n_history: int, chunk: int, prompt_len: int | None = None) -> list[slice]:
