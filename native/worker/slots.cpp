@@ -94,12 +94,16 @@ ComputeSlots::Hold ComputeSlots::acquire() {
     // Lowest first: the stages of a lone session compute one after another, so each finds slot 0
     // free and computes on its cores, where the workers' other threads wait (settle); only
     // forwards that overlap spread to the other slots' cores.
+    // A forward that finds slot 0 taken also leaves slot 0's cores itself, before it computes:
+    // settled there, it would compute beside the holder on a core already busy while another
+    // idles (until the next forward's settle).
     const auto give_up = std::chrono::steady_clock::now() + kMaxWait;
     auto pause = std::chrono::microseconds(20);
     while (true) {
         for (size_t slot = 0; slot < fds_.size(); ++slot) {
             const int fd = fds_[slot];
             if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+                if (slot > 0) settle(false);
                 const size_t first = slot * (size_t) pin_threads_;
                 if (pin_threads_ < 2 || first + (size_t) pin_threads_ > allowed_.size()) return Hold(fd);
                 return Hold(fd, true, std::vector<int32_t>(allowed_.begin() + (long) first,
@@ -108,7 +112,10 @@ ComputeSlots::Hold ComputeSlots::acquire() {
             if (errno != EWOULDBLOCK && errno != EINTR) return Hold(-1, false);  // cannot lock: compute anyway
             if (slot == 0) mark_contended();  // another compute on slot 0's cores (settle)
         }
-        if (std::chrono::steady_clock::now() > give_up) return Hold(-1, false);
+        if (std::chrono::steady_clock::now() > give_up) {
+            settle(false);
+            return Hold(-1, false);
+        }
         std::this_thread::sleep_for(pause);
         pause = std::min(pause * 2, std::chrono::microseconds(200));
     }

@@ -120,8 +120,9 @@ def test_a_worker_that_found_slot_0_taken_waits_on_every_core(
     smollm2: Path, tmp_path: Path
 ) -> None:
     """One session, but another compute of the host on slot 0 (here: this test holding its
-    lock): the worker counts as not lone and leaves its threads on every core, and settles on
-    slot 0 again once slot 0 has been free for a while."""
+    lock): the worker counts as not lone and leaves its threads on every core, from the very
+    forward that found slot 0 taken on (settled, that one would compute beside the holder on
+    a busy core), and settles on slot 0 again once slot 0 has been free for a while."""
     import fcntl
     import time
 
@@ -136,7 +137,10 @@ def test_a_worker_that_found_slot_0_taken_waits_on_every_core(
         fd = os.open(slots / f"slot-0-of-{len(allowed)}", os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            assert len(list(route.generate(PROMPT, 3))) == 3  # computes on slot 1
+            held = route.generate(PROMPT, 3)
+            next(held)  # one forward, on slot 1: it left slot 0's core before it computed
+            assert all(a == allowed for a in affinities(worker))
+            assert len(list(held)) == 2
             assert all(a == allowed for a in affinities(worker))
         finally:
             os.close(fd)
