@@ -51,14 +51,46 @@ std::vector<int32_t> PromptLookup::propose(int32_t max_draft) const {
     return {};
 }
 
-DraftController::DraftController(int32_t max_draft, double units_per_draft, bool shadowed)
+DraftController::DraftController(int32_t max_draft, double units_per_draft, bool shadowed, StepCosts costs)
     : max_draft_(max_draft),
       units_(units_per_draft),
       shadowed_(shadowed),
       trials_(shadowed ? 3.0 : 2.0),
-      probe_every_(kProbeEvery) {}
+      probe_every_(kProbeEvery) {
+    // a route timed before: no warm-up, and its beta instead of the prior; both keep adapting
+    if (costs.timed && costs.t0 > 0.0) {
+        t0_ = costs.t0;
+        plain_seen_ = kWarmup;
+        if (costs.drafted) {
+            beta_ = costs.beta;
+            draft_seen_ = 1;
+        }
+    }
+}
 
 double DraftController::acceptance() const { return hits_ / trials_; }
+
+StepCosts DraftController::costs() const { return {t0_, beta_, plain_seen_ > 0, draft_seen_ > 0}; }
+
+StepCosts DraftCosts::get(uint64_t route) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto & [key, costs] : routes_) {
+        if (key == route) return costs;
+    }
+    return {};
+}
+
+void DraftCosts::put(uint64_t route, const StepCosts & costs) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = routes_.begin(); it != routes_.end(); ++it) {
+        if (it->first == route) {
+            routes_.erase(it);
+            break;
+        }
+    }
+    routes_.emplace_back(route, costs);
+    if (routes_.size() > kRoutes) routes_.pop_front();
+}
 
 int32_t DraftController::best(int32_t limit, int32_t since) const {
     const double p = std::min(acceptance(), 0.999);

@@ -28,6 +28,14 @@ Status from_shard_error(const dgr::ShardError & e) {
     }
 }
 
+// speculative decoding: the key a route's step costs are kept under (DraftCosts): its stages, in
+// order, and the draft source
+uint64_t route_costs_key(const dgr::v1::RouteSpec & route, int source) {
+    std::string key = std::to_string(source);
+    for (const std::string & stage : route.stages()) key += "\n" + stage;
+    return std::hash<std::string>{}(key);
+}
+
 // a forward admitted to this stage's queue, for as long as it waits or computes
 struct InFlight {
     explicit InFlight(std::atomic<int> & n) : n_(n), ahead(n_++) {}
@@ -491,6 +499,7 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
     std::unique_ptr<PromptLookup> lookup;
     bool mtp = false, chunk_without_mtp = false;
     std::unique_ptr<DraftController> drafts;
+    uint64_t costs_key = 0;  // the route and draft source its step costs are kept under (DraftCosts)
     std::vector<int32_t> prompt;
     int32_t in_flight_drafts = 0, in_flight_proposed = 0;  // MTP: drafts the tail makes with the step
     bool in_flight_probe = false;
@@ -560,14 +569,16 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                         step.clear_stop_ids();
                         step.clear_draft();
                         step.set_chunk_index(0);
+                        costs_key = route_costs_key(route, ev.req.draft().source());
                         if (ev.req.draft().source() == dgr::v1::DRAFT_SOURCE_LOOKUP) {
                             const auto & d = ev.req.draft();
                             lookup = std::make_unique<PromptLookup>((int32_t) d.ngram_min(), (int32_t) d.ngram_max());
-                            drafts = std::make_unique<DraftController>((int32_t) d.max_draft(), 1.0, true);
+                            drafts = std::make_unique<DraftController>((int32_t) d.max_draft(), 1.0, true, draft_costs_.get(costs_key));
                             step.mutable_expect()->set_truncate(true);
                         } else if (mtp_chunk) {
                             mtp = true;
-                            drafts = std::make_unique<DraftController>((int32_t) ev.req.draft().max_draft(), 2.0, false);
+                            drafts = std::make_unique<DraftController>((int32_t) ev.req.draft().max_draft(), 2.0, false,
+                                                                       draft_costs_.get(costs_key));
                             *step.mutable_draft() = ev.req.draft();  // every step: the tail's block follows
                             step.mutable_expect()->set_truncate(true);
                         }
@@ -595,6 +606,7 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                     drafts->observe(in_flight_drafts, (int32_t) ev.reply.accepted(),
                                     std::chrono::duration<double>(std::chrono::steady_clock::now() - step_sent).count(),
                                     in_flight_drafts + in_flight_proposed, in_flight_probe);
+                    draft_costs_.put(costs_key, drafts->costs());  // for the route's next generation
                 }
                 // a verified step yields several tokens: keep those up to the last one wanted
                 bool last = false;

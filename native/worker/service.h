@@ -14,6 +14,7 @@
 #pragma once
 
 #include "batcher.h"
+#include "drafting.h"
 #include "metrics.h"
 #include "dgr/shard_engine.h"
 #include "dgr/v1/shard.grpc.pb.h"
@@ -148,6 +149,7 @@ private:
 
     ComputeSlots slots_;
     Batcher batcher_;  // turns on the engine, in arrival order; decode steps batched
+    DraftCosts draft_costs_;  // speculative decoding: what steps cost per route, across generations
     mutable Metrics metrics_;  // counted from const paths too (a refused authorization)
 };
 

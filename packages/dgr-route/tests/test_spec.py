@@ -88,6 +88,29 @@ def test_lookup_sends_no_draft_its_proposals_would_not_have_kept(
     drafted.close()
 
 
+def test_a_generation_starts_from_the_step_costs_its_route_measured_before(
+    smollm2: Path, quote: list[int]
+) -> None:
+    """What a route's steps cost is the route's, not one generation's: the head keeps it, and
+    the next generation over the same route drafts from its first proposal that held, with no
+    plain steps timed first (a fresh head, so no earlier test's route is in its memory)."""
+    worker = start_worker(smollm2, 0, 30, descriptor=descriptor_args(smollm2), n_ctx=512)
+    try:
+        route = Route.open([worker.address], timeout=60, draft=Draft("lookup"))
+        first, second = DraftUsage(), DraftUsage()
+        a = [int(r.token_id) for r in route.results(quote, 4, usage=first)]
+        b = [int(r.token_id) for r in route.results(quote, 4, usage=second)]
+        assert a == b
+        # the first generation times two plain steps before it may draft; by then one draft more
+        # would pass max_tokens
+        assert first.drafted == 0, first
+        # the second: a plain step whose proposal held, then one draft (all that max_tokens leaves)
+        assert (second.drafted, second.accepted) == (1, 1), second
+        route.close()
+    finally:
+        worker.stop()
+
+
 def test_sampled_drafted_output_equals_plain_decode(
     workers: dict[tuple[int, int], WorkerProcess], quote: list[int]
 ) -> None:
