@@ -59,7 +59,10 @@ def test_bandwidth_is_limited(echo: str) -> None:
     link = start_link(echo, latency_ms=0, mbps=1.0)
     try:
         _, elapsed = round_trip(link.address, b"x" * 50_000)  # 0.4 s each way at 1 Mbit/s
-        assert elapsed >= 0.7
+        # at least the way there: the echo sends back what came through while the rest is still
+        # on its way, as over a real full-duplex link, so the two ways overlap by as much as the
+        # payload arrived in pieces (0.8 s when it arrives at once; 0.66 s seen in a CI run)
+        assert elapsed >= 0.4
     finally:
         link.stop()
 
