@@ -58,7 +58,7 @@ DraftController::DraftController(int32_t max_draft, double units_per_draft, bool
       trials_(shadowed ? 3.0 : 2.0),
       probe_every_(kProbeEvery) {
     // a route timed before: no warm-up, and its beta instead of the prior; both keep adapting
-    if (costs.timed && costs.t0 > 0.0) {
+    if (costs.t0 > 0.0) {
         t0_ = costs.t0;
         plain_seen_ = kWarmup;
         if (costs.drafted) {
@@ -70,7 +70,7 @@ DraftController::DraftController(int32_t max_draft, double units_per_draft, bool
 
 double DraftController::acceptance() const { return hits_ / trials_; }
 
-StepCosts DraftController::costs() const { return {t0_, beta_, plain_seen_ > 0, draft_seen_ > 0}; }
+StepCosts DraftController::costs() const { return {t0_, beta_, draft_seen_ > 0}; }
 
 StepCosts DraftCosts::get(uint64_t route) const {
     std::lock_guard<std::mutex> lock(mutex_);

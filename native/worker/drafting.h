@@ -55,8 +55,7 @@ private:
 // costs about a plain step, but the prior (a quarter of one) kept drafting on for the first ~8
 // drafting steps of each 64-token generation (lookup drafting 0.98x of plain decode there).
 struct StepCosts {
-    double t0 = 0.0, beta = 0.0;  // seconds: a plain step, a unit of drafting work
-    bool timed = false;           // t0 measured
+    double t0 = 0.0, beta = 0.0;  // seconds: a plain step (0: not timed), a unit of drafting work
     bool drafted = false;         // beta measured (otherwise the prior)
 };
 

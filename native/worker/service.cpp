@@ -606,7 +606,6 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                     drafts->observe(in_flight_drafts, (int32_t) ev.reply.accepted(),
                                     std::chrono::duration<double>(std::chrono::steady_clock::now() - step_sent).count(),
                                     in_flight_drafts + in_flight_proposed, in_flight_probe);
-                    draft_costs_.put(costs_key, drafts->costs());  // for the route's next generation
                 }
                 // a verified step yields several tokens: keep those up to the last one wanted
                 bool last = false;
@@ -705,6 +704,7 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
         flow->push(Event{Event::closed, {}, {}, {}});
     });
     flow->wait_over();
+    if (drafts) draft_costs_.put(costs_key, drafts->costs());  // for the route's next generation
     if (!closed) ctx->TryCancel();  // ends the reader's Read (the error reply is already written)
     upstream.join();
     down.reset();

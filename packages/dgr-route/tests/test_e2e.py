@@ -394,6 +394,17 @@ def test_an_abandoned_stream_frees_its_session(
         time.sleep(0.1)
 
 
+def sessions_freed(
+    workers: dict[tuple[int, int], WorkerProcess], layout: list[tuple[int, int]]
+) -> None:
+    """Every stage of `layout` holds no session within 10 s."""
+    for r in layout:
+        deadline = time.monotonic() + 10
+        while workers[r].sessions() != 0:
+            assert time.monotonic() < deadline, f"stage {r} kept the session"
+            time.sleep(0.1)
+
+
 @pytest.mark.parametrize("mode", ["forward", "relay"])
 def test_a_process_that_leaves_a_route_open_mid_generation_exits(
     workers: dict[tuple[int, int], WorkerProcess], mode: str
@@ -417,12 +428,7 @@ def test_a_process_that_leaves_a_route_open_mid_generation_exits(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "left open\n"
-    # and the stages freed the session it left
-    for r in LAYOUTS[2]:
-        deadline = time.monotonic() + 10
-        while workers[r].sessions() != 0:
-            assert time.monotonic() < deadline, f"stage {r} kept the session"
-            time.sleep(0.1)
+    sessions_freed(workers, LAYOUTS[2])  # the stages freed the session it left
 
 
 @pytest.mark.parametrize("mode", ["forward", "relay"])
@@ -435,8 +441,4 @@ def test_closing_a_route_ends_its_generations_and_frees_their_sessions(
     assert [workers[r].sessions() for r in LAYOUTS[2]] == [1, 1]
     route.close()
     assert list(tokens) == []  # ended: nothing more comes, and no error either
-    for r in LAYOUTS[2]:
-        deadline = time.monotonic() + 10
-        while workers[r].sessions() != 0:
-            assert time.monotonic() < deadline, f"stage {r} kept the session"
-            time.sleep(0.1)
+    sessions_freed(workers, LAYOUTS[2])
