@@ -1,7 +1,7 @@
 // libFuzzer harness over a worker's request path: bytes as they come off the wire, parsed as a
 // dgr.v1.ForwardRequest and handed to ShardService::compute, which validates and decodes them
-// (validate.cpp), computes them on the engine (boundary decode included) and, at the tail, samples
-// (sampling.cpp). Each input goes to a head, a middle stage and a tail of a small random-weight
+// (validate.cpp), computes them on the engine (boundary decode included) and, at the tail, verifies
+// and samples (verify.cpp, sampling.cpp). Each input goes to a head, a middle stage and a tail of a small random-weight
 // model ($DGR_FUZZ_MODEL, its layers split at $DGR_FUZZ_SPLIT, default "0:3,3:6,6:8").
 //
 // Beyond ASan/UBSan findings, the harness checks the invariant a refused request must keep: after

@@ -70,7 +70,7 @@ DraftController::DraftController(int32_t max_draft, double units_per_draft, bool
 
 double DraftController::acceptance() const { return hits_ / trials_; }
 
-StepCosts DraftController::costs() const { return {t0_, beta_, draft_seen_ > 0}; }
+StepCosts DraftController::costs() const { return {t0_, beta_, draft_seen_ > 0, 0.0}; }
 
 StepCosts DraftCosts::get(uint64_t route) const {
     std::lock_guard<std::mutex> lock(mutex_);

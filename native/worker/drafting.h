@@ -57,6 +57,8 @@ private:
 struct StepCosts {
     double t0 = 0.0, beta = 0.0;  // seconds: a plain step (0: not timed), a unit of drafting work
     bool drafted = false;         // beta measured (otherwise the prior)
+    double head = 0.0;            // seconds: the head's own compute of a plain step (0: not timed;
+                                  // the head's, not the controller's: whether steps go in parts)
 };
 
 struct DraftChoice {

@@ -111,6 +111,10 @@ void parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--max-queue") a.service.max_queue = to_int(k, val(), 0, 1 << 20);
         else if (k == "--max-batch") a.service.max_batch = to_int(k, val(), 1, 4096);
         else if (k == "--gather-us") a.service.gather_us = to_int(k, val(), 0, 1000 * 1000);
+        else if (k == "--draft-part-rows") {
+            a.service.draft_part_rows = to_int(k, val(), 0, 64);
+            if (a.service.draft_part_rows == 1) throw std::invalid_argument("--draft-part-rows: 0 (whole steps) or 2..64");
+        }
         else if (k == "--keepalive-ms") a.keepalive_ms = to_int(k, val(), 200, 3600 * 1000);
         else if (k == "--model-fingerprint") a.service.fingerprint = val();
         else if (k == "--recipe-id") a.service.recipe = recipe_id(val());
@@ -233,6 +237,7 @@ int main(int argc, char ** argv) {
         std::cerr << "dgr-shard-worker: " << e.what() << "\n"
                   << "usage: dgr-shard-worker --model PATH --layers FIRST:LAST [--listen HOST:PORT] [--threads N]\n"
                      "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--max-batch N] [--gather-us N]\n"
+                     "  [--draft-part-rows 0|2-64]\n"
                      "  [--model-fingerprint HEX] [--recipe-id ID] [--drain-seconds N] [--version]\n"
                      "  [--poll 0-100] [--prio auto|0-3] [--rollback 0-64] [--gpu-layers N|-1] [--no-warmup] [--compute-slots DIR|auto|none] [--pin on|off] [--mtp] [--auth-token-file F]\n"
                      "  [--metrics-listen HOST:PORT] [--links data|grpc]\n"

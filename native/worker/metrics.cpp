@@ -120,6 +120,16 @@ Metrics::Metrics(LiveState live)
                              .Help("Decode steps computed when the gather window ran out before the rest of their cohort arrived")
                              .Register(*registry_)
                              .Add({})),
+      parts_skipped_(prometheus::BuildCounter()
+                         .Name("dgr:draft_parts_skipped_total")
+                         .Help("Parts of drafted decode steps the tail did not compute: a draft before them was rejected")
+                         .Register(*registry_)
+                         .Add({})),
+      steps_in_parts_(prometheus::BuildCounter()
+                          .Name("dgr:draft_steps_in_parts_total")
+                          .Help("Drafted decode steps this head sent in parts that the stages pipeline")
+                          .Register(*registry_)
+                          .Add({})),
       errors_(prometheus::BuildCounter()
                   .Name("dgr:request_errors_total")
                   .Help("Requests refused or failed, by gRPC status code")

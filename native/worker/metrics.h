@@ -46,6 +46,10 @@ public:
     void turn(size_t width);
     // a decode step computed without the rest of its cohort (the gather window ran out)
     void cohort_incomplete() { cohort_incomplete_.Increment(); }
+    // a part of a drafted step the tail did not compute: a draft before it was rejected (verify.h)
+    void part_skipped() { parts_skipped_.Increment(); }
+    // a drafted step the head sent in parts (verify.h)
+    void step_in_parts() { steps_in_parts_.Increment(); }
     // a request refused or failed with `code`
     void error(grpc::StatusCode code);
 
@@ -66,6 +70,8 @@ private:
     prometheus::Counter & forwards_;
     prometheus::Counter & without_slot_;
     prometheus::Counter & cohort_incomplete_;
+    prometheus::Counter & parts_skipped_;
+    prometheus::Counter & steps_in_parts_;
     prometheus::Family<prometheus::Counter> & errors_;
     prometheus::Gauge & sessions_;
     prometheus::Gauge & waiting_;

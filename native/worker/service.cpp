@@ -277,13 +277,16 @@ Status ShardService::CloseSession(grpc::ServerContext * ctx, const dgr::v1::Clos
 
 void ShardService::release(uint64_t session, uint64_t epoch) { engine_->release_epoch(session, epoch); }
 
-Status ShardService::compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers) {
-    Status st = compute_one(req, reply, peers);
+Status ShardService::compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers,
+                             StepCheck * check) {
+    StepCheck whole;  // no stream's check: each request is a whole step
+    Status st = compute_one(req, reply, peers, check != nullptr ? *check : whole);
     if (!st.ok()) metrics_.error(st.error_code());
     return st;
 }
 
-Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers) {
+Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers,
+                                 StepCheck & check) {
     // backpressure: a bounded queue, refused beyond it (the session's cache is untouched and the
     // client may retry); the requests admitted compute in arrival order
     InFlight admitted(in_flight_);
@@ -294,6 +297,14 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
     }
     DecodedForward d;
     if (Status st = decode_forward(req, desc_, &d); !st.ok()) return st;
+    if (desc_.is_tail) {  // a part of a drafted step that a draft before it already decided
+        StepCheck::Next next = StepCheck::Next::compute;
+        if (Status st = check.before(req, &next, reply); !st.ok()) return st;
+        if (next != StepCheck::Next::compute) {
+            metrics_.part_skipped();
+            return Status::OK;
+        }
+    }
     // the cache expectation (epoch, n_past, prefix hash) is checked by the engine, atomically
     // with the forward
     d.engine.prefix_hash = req.expect().prefix_hash();
@@ -326,7 +337,7 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
     reply->set_epoch(fr.epoch);
     if (req.has_route() && timing.cohort.size > 1) to_wire(timing.cohort, reply->mutable_cohort());
     if (res.is_logits) {
-        verify(req, res, reply);
+        check.take(req, res, reply);
         if (fr.mtp && req.last_chunk() && req.draft().propose() > 0) {
             // MTP: drafts of the tokens after the last one sampled, for the head's next step
             const int32_t last = reply->more_tokens_size() > 0 ? reply->more_tokens(reply->more_tokens_size() - 1).token_id()
@@ -346,44 +357,6 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
                         (uint32_t) desc_.boundary.n_embd, res.data.data(), res.data.size());
     }
     return Status::OK;
-}
-
-void ShardService::verify(const dgr::v1::ForwardRequest & req, const dgr::ForwardResult & res, dgr::v1::ForwardReply * reply) {
-    // row i follows token_ids[i]; each row is sampled as plain decode would sample it at that
-    // position (seeded by position), so a draft is accepted exactly when plain decode would have
-    // produced it, and the first row that disagrees gives the token plain decode produces there
-    thread_local TailSampler sampler;
-    const int32_t n_draft = (int32_t) req.n_draft();
-    const int32_t first_row = res.n_rows - 1 - n_draft;                   // the last accepted token's row
-    int32_t accepted = 0;
-    for (int32_t i = 0; i <= n_draft; ++i) {
-        const float * row = (const float *) res.data.data() + (size_t) (first_row + i) * (size_t) res.row_width;
-        float logprob = 0.0f;
-        const int32_t position = res.n_past - n_draft + i;  // what n_past plain decode had after this token
-        const int32_t token = sampler.sample(row, res.row_width, req.sampling(), position, &logprob);
-        auto * tok = i == 0 ? reply->mutable_token() : reply->add_more_tokens();
-        tok->set_token_id(token);
-        tok->set_logprob(logprob);
-        if (req.sampling().want_logits()) {
-            encode_boundary(tok->mutable_logits(), dgr::DType::f32, 1, 1, (uint32_t) res.row_width, row,
-                            sizeof(float) * (size_t) res.row_width);
-        }
-        if (i == n_draft || token != req.token_ids(req.token_ids_size() - n_draft + i)) break;
-        ++accepted;
-    }
-    if (n_draft == 0) return;
-    // the session now holds the last token and the accepted drafts; the rejected ones go at the
-    // next forward of every stage (CacheExpectation.truncate)
-    reply->set_n_past((uint32_t) (res.n_past - n_draft + accepted));
-    // the kept history: what the request expected, then this request's tokens up to the last
-    // accepted draft (validation guarantees the ids: n_draft < token_ids)
-    uint64_t hash = req.expect().prefix_hash();
-    if (hash != 0) {
-        hash = dgr::prefix_hash(hash, req.token_ids().data(), (size_t) (req.token_ids_size() - n_draft + accepted));
-    }
-    reply->set_prefix_hash(hash);
-    reply->set_drafted((uint32_t) n_draft);
-    reply->set_accepted((uint32_t) accepted);
 }
 
 Status ShardService::Forward(grpc::ServerContext * ctx, Stream * stream) {
@@ -438,6 +411,7 @@ Status ShardService::forward_stage(Upstream & stream, dgr::v1::ForwardRequest re
     {
         std::unique_ptr<Downstream> down;
         std::unique_ptr<TokenReturn> loop;
+        StepCheck check;  // the tail: drafted steps, whole or in parts
         do {
             if (failed.load()) continue;  // broken further down: drain until the sender closes
             if (Status st = one_session(req, session, epoch); !st.ok()) {
@@ -451,13 +425,13 @@ Status ShardService::forward_stage(Upstream & stream, dgr::v1::ForwardRequest re
                 loop = peers_.token_return(route.stages(0), report_up);
             }
             dgr::v1::ForwardReply reply;
-            if (Status st = compute(req, &reply); !st.ok()) {
+            if (Status st = compute(req, &reply, 0, &check); !st.ok()) {
                 result = st;  // the stage before names this one with it
                 break;
             }
             if (!desc_.is_tail) {
                 down->write(next_request(req, &reply));  // a broken link is reported by its reader
-            } else if (req.last_chunk()) {
+            } else if (check.ready()) {
                 if (!loop->write(reply)) {
                     report_up(stage_error(0, route.stages(0),
                                           Status(StatusCode::UNAVAILABLE, "the tail could not return its token to the head")));
@@ -500,6 +474,7 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
     bool mtp = false, chunk_without_mtp = false;
     std::unique_ptr<DraftController> drafts;
     uint64_t costs_key = 0;  // the route and draft source its step costs are kept under (DraftCosts)
+    double head_s = 0.0;     // this stage's compute of a plain step (seconds, a moving average)
     std::vector<int32_t> prompt;
     int32_t in_flight_drafts = 0, in_flight_proposed = 0;  // MTP: drafts the tail makes with the step
     bool in_flight_probe = false;
@@ -570,6 +545,7 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                         step.clear_draft();
                         step.set_chunk_index(0);
                         costs_key = route_costs_key(route, ev.req.draft().source());
+                        head_s = draft_costs_.get(costs_key).head;
                         if (ev.req.draft().source() == dgr::v1::DRAFT_SOURCE_LOOKUP) {
                             const auto & d = ev.req.draft();
                             lookup = std::make_unique<PromptLookup>((int32_t) d.ngram_min(), (int32_t) d.ngram_max());
@@ -624,6 +600,7 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                     ev.reply.set_n_past(ev.reply.n_past() - (uint32_t) (n_out - kept));
                     ev.reply.set_prefix_hash(0);
                 }
+                if (in_flight_drafts > 0) ev.reply.set_drafted((uint32_t) in_flight_drafts);  // sent, if not all checked
                 const uint32_t n_past = ev.reply.n_past();
                 const uint64_t hash = ev.reply.prefix_hash();
                 // the next step gathers with the sessions sampled beside this token (not the
@@ -684,7 +661,46 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                 step.mutable_expect()->set_n_past(n_past);
                 step.mutable_expect()->set_prefix_hash(hash);
                 step_sent = std::chrono::steady_clock::now();
-                process(step, sent != 0 ? peers_behind(flow.get(), sent) : 0);
+                const uint32_t peers = sent != 0 ? peers_behind(flow.get(), sent) : 0;
+                const int32_t rows = step.token_ids_size(), per = options_.draft_part_rows;
+                // in parts that the stages pipeline (verify.h), where the links take longer than
+                // the stages' compute: a part travels while the next is computed. Where the trip
+                // is mostly compute (loopback) the stages could only overlap on spare cores, and
+                // each part costs every stage a forward more (on 2 cores, 0.90x of plain decode
+                // at 1 thread per stage on loopback against 0.98x whole; 1.23x whole behind 10 ms
+                // links)
+                const double t0 = drafts ? drafts->costs().t0 : 0.0;
+                const bool in_parts = lookup && in_flight_drafts > 0 && peers == 0 && mates.size <= 1 &&
+                                      route.stages_size() > 1 && per > 0 && rows > per && head_s > 0.0 &&
+                                      t0 > 2.0 * route.stages_size() * head_s;
+                if (in_parts) {
+                    // balanced, the larger first, each a forward of its own here and on every stage
+                    metrics_.step_in_parts();
+                    const int32_t n_parts = (rows + per - 1) / per;
+                    dgr::v1::ForwardRequest part = step;
+                    for (int32_t j = 0, offset = 0; j < n_parts && !done; ++j) {
+                        const int32_t size = rows / n_parts + (j < rows % n_parts ? 1 : 0);
+                        part.clear_token_ids();
+                        part.mutable_token_ids()->Add(step.token_ids().begin() + offset, step.token_ids().begin() + offset + size);
+                        part.set_chunk_index((uint32_t) j);
+                        part.set_last_chunk(j + 1 == n_parts);
+                        part.set_n_draft((uint32_t) (j == 0 ? size - 1 : size));
+                        part.mutable_expect()->set_n_past(n_past + (uint32_t) offset);
+                        if (j > 0) {  // the part before checked them, and dropped nothing
+                            part.mutable_expect()->set_prefix_hash(0);
+                            part.mutable_expect()->set_truncate(false);
+                        }
+                        process(part);
+                        offset += size;
+                    }
+                } else {
+                    const auto started = std::chrono::steady_clock::now();
+                    process(step, peers);
+                    if (rows == 1) {  // what a plain step costs this stage (the send included)
+                        const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+                        head_s = head_s > 0.0 ? 0.75 * head_s + 0.25 * took : took;
+                    }
+                }
                 break;
             }
             case Event::failure: fail(ev.error); break;
@@ -704,7 +720,11 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
         flow->push(Event{Event::closed, {}, {}, {}});
     });
     flow->wait_over();
-    if (drafts) draft_costs_.put(costs_key, drafts->costs());  // for the route's next generation
+    if (drafts) {  // for the route's next generation
+        StepCosts costs = drafts->costs();
+        costs.head = head_s;
+        draft_costs_.put(costs_key, costs);
+    }
     if (!closed) ctx->TryCancel();  // ends the reader's Read (the error reply is already written)
     upstream.join();
     down.reset();

@@ -19,6 +19,7 @@
 #include "dgr/shard_engine.h"
 #include "dgr/v1/shard.grpc.pb.h"
 #include "forwarding.h"
+#include "verify.h"
 
 #include <atomic>
 #include <functional>
@@ -40,6 +41,9 @@ struct ServiceOptions {
     std::string compute_slots_dir;  // shared by the host's workers (empty: no slots)
     int compute_slots = 1;
     int pin_threads = 0;  // > 1: each forward's threads on its slot's cores; > 0: settle (slots.h)
+    // the head, forward mode: a drafted step of more rows than this travels in parts of about this
+    // many rows, which the stages pipeline (verify.h; 0: drafted steps travel whole)
+    int draft_part_rows = 2;
 };
 
 struct HeadFlow;
@@ -107,8 +111,10 @@ public:
     // One request through validation, the engine and (at the tail) the sampler, into its reply:
     // what both modes run for every request that arrives. (Public for the fuzz harness, which
     // feeds it bytes as they come off the wire.)
-    // (`peers`: see Batcher::run)
-    grpc::Status compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers = 0);
+    // (`peers`: see Batcher::run; `check`: at the tail of a forward-mode stream, its verification
+    // of drafted steps that come in parts, verify.h; without it each request is a whole step)
+    grpc::Status compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers = 0,
+                         StepCheck * check = nullptr);
 
     // counters and histograms (served at --metrics-listen by main)
     Metrics & metrics() { return metrics_; }
@@ -120,13 +126,11 @@ public:
 
 private:
     using Stream = grpc::ServerReaderWriter<dgr::v1::ForwardReply, dgr::v1::ForwardRequest>;
-    grpc::Status compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers);
+    grpc::Status compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers,
+                             StepCheck & check);
     // the head: sessions whose step left this head after `me`'s, at most the gather window after:
     // their tokens come back that soon after `me`'s, and its next step waits for them
     uint32_t peers_behind(const HeadFlow * me, int64_t sent_ns);
-    // the tail: sample the last accepted token's row and every drafted one, keep the longest
-    // prefix of drafts the samples agree with, and one sample more
-    void verify(const dgr::v1::ForwardRequest & req, const dgr::ForwardResult & res, dgr::v1::ForwardReply * reply);
     // the head: MTP drafts that came back with a token (at most kMaxDraft, inside the vocabulary)
     grpc::Status check_drafts(const std::vector<int32_t> & drafts) const;
     grpc::Status relay(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);

@@ -125,9 +125,16 @@ Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Descriptio
     }
     if (Status st = validate_sampling(req.sampling(), desc.n_vocab); !st.ok()) return st;
     if (Status st = validate_draft(req.draft()); !st.ok()) return st;
-    if (req.n_draft() > kMaxDraft || (int64_t) req.n_draft() >= (int64_t) std::max(n_tok_ids, 1)) {
-        return invalid("n_draft: " + std::to_string(req.n_draft()) + " drafts need that many token ids after the last " +
-                       "accepted one (" + std::to_string(n_tok_ids) + " came), at most " + std::to_string(kMaxDraft));
+    const bool later_part = is_step_part(req) && req.chunk_index() > 0;  // drafts only
+    if (req.n_draft() > kMaxDraft || (later_part ? (int64_t) req.n_draft() != n_tok_ids
+                                                 : (int64_t) req.n_draft() >= (int64_t) std::max(n_tok_ids, 1))) {
+        return invalid("n_draft: " + std::to_string(req.n_draft()) + " drafts need that many token ids" +
+                       (later_part ? std::string(" (a later part of a drafted step holds drafts only)")
+                                   : std::string(" after the last accepted one")) +
+                       " (" + std::to_string(n_tok_ids) + " came), at most " + std::to_string(kMaxDraft));
+    }
+    if (is_step_part(req) && req.draft().source() == dgr::v1::DRAFT_SOURCE_MTP) {
+        return invalid("chunk_index: an MTP step travels whole (the tail's block follows each whole step)");
     }
     if (req.has_route()) {
         if (Status st = validate_route(req.route(), desc); !st.ok()) return st;

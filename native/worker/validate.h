@@ -35,6 +35,12 @@ constexpr uint32_t kMaxNgram = 8;
 // lengths
 grpc::Status validate_draft(const dgr::v1::Draft & d);
 
+// a part of a drafted decode step that travels in parts, not the whole step (verify.h). Only in
+// forward mode: a relay-mode request is always a whole step, whatever its chunk fields say
+inline bool is_step_part(const dgr::v1::ForwardRequest & req) {
+    return req.has_route() && req.n_draft() > 0 && (req.chunk_index() > 0 || !req.last_chunk());
+}
+
 // forward mode: a route that names this stage at its place ([first, last) decides head and tail)
 grpc::Status validate_route(const dgr::v1::RouteSpec & route, const dgr::Description & desc);
 

@@ -17,7 +17,7 @@ from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
 from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_route.route import Draft, DraftUsage, Route, RouteError, Sampling
-from dgr_wire.codec import FNV_OFFSET, prefix_hash
+from dgr_wire.codec import FNV_OFFSET, encode, prefix_hash
 
 LAYOUTS = {1: [(0, 30)], 2: [(0, 15), (15, 30)], 3: [(0, 10), (10, 20), (20, 30)]}
 QUOTE = (
@@ -109,24 +109,6 @@ def test_a_generation_starts_from_the_step_costs_its_route_measured_before(
         route.close()
     finally:
         worker.stop()
-
-
-def test_sampled_drafted_output_equals_plain_decode(
-    workers: dict[tuple[int, int], WorkerProcess], quote: list[int]
-) -> None:
-    """Each position is sampled as plain decode samples it (seeded by position), so a draft is
-    kept exactly when plain decode would have drawn it: the same tokens, not only the same
-    distribution."""
-    plain, drafted = routes(workers, 3)
-    for seed in (1, 2):
-        sampling = Sampling(temperature=0.7, top_k=40, top_p=0.95, seed=seed)
-        usage = DraftUsage()
-        expected = list(plain.generate(quote, 40, sampling))
-        got = [int(r.token_id) for r in drafted.results(quote, 40, sampling, usage=usage)]
-        assert got == expected
-        assert usage.accepted > 0, usage
-    plain.close()
-    drafted.close()
 
 
 def test_drafts_stop_at_max_tokens_and_at_a_stop_token(
@@ -224,6 +206,139 @@ def test_bad_draft_fields_are_refused_by_name(
     err = forward_refusal(workers[(0, 30)], request)
     assert err.code() == getattr(grpc.StatusCode, code)
     assert needle in (err.details() or "")
+
+
+def part(
+    session: int, route: list[str], index: int, tokens: list[int], **fields: object
+) -> pb.ForwardRequest:
+    """A forward-mode request to the stage at `index` of `route`: a part of a drafted step."""
+    return pb.ForwardRequest(
+        session_id=session,
+        expect=pb.CacheExpectation(epoch=1, prefix_hash=FNV_OFFSET),
+        token_ids=tokens,
+        route=pb.RouteSpec(stages=route, stage_index=index),
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def test_parts_of_a_drafted_step_are_checked_by_name(
+    workers: dict[tuple[int, int], WorkerProcess],
+) -> None:
+    """A drafted step in parts (forward mode): a later part holds drafts only, and the tail takes
+    parts only in order, after the part 0 that opened the step; MTP steps travel whole."""
+    head, tail = workers[(0, 15)].address, workers[(15, 30)].address
+    route = [head, tail]
+    cases = [
+        # a later part whose first token would be the last accepted one: not drafts only
+        (head, 0, part(910, route, 0, [1, 2, 3], n_draft=2, chunk_index=1), "n_draft"),
+        (
+            head,
+            0,
+            part(
+                911,
+                route,
+                0,
+                [1, 2],
+                n_draft=1,
+                draft=pb.Draft(source=pb.DRAFT_SOURCE_MTP, max_draft=2),
+            ),
+            "an MTP step travels whole",
+        ),
+        # the tail: part 1 of a step whose part 0 it never saw
+        (tail, 1, None, "part 0 did not come"),
+    ]
+    for address, index, request, needle in cases:
+        if request is None:  # a boundary from the (absent) head, for the tail's layers
+            n_embd = 576
+            boundary = encode(np.zeros((2, n_embd), np.float32), "f32")
+            request = part(912, route, index, [5, 6], n_draft=2, chunk_index=1, boundary=boundary)
+        # the head reports a failure as the stream's last reply (a StageError naming the stage)
+        # and ends it; a later stage as the stream's status
+        stub = pb_grpc.ShardServiceStub(grpc.insecure_channel(address))
+        replies: list[pb.ForwardReply] = []
+        with pytest.raises(grpc.RpcError) as info:
+            for reply in stub.Forward(iter([request]), timeout=30):
+                replies.append(reply)
+        if index == 0:
+            [reply] = replies
+            invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert (reply.error.stage, reply.error.code) == (0, invalid)
+            assert needle in reply.error.message, reply.error.message
+        else:
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, needle
+            assert needle in (info.value.details() or ""), info.value.details()
+
+
+@pytest.fixture(scope="module")
+def slow(smollm2: Path) -> Iterator[tuple[list[WorkerProcess], list[str]]]:
+    """A 3-stage route whose every link adds 10 ms (dgr-netsim), as a WAN would: drafting pays
+    there (on loopback the head may rightly stop drafting once it has timed the route)."""
+    from dgr_bench.netsim import start_link
+
+    descriptor = descriptor_args(smollm2)
+    metered = ["--metrics-listen", "127.0.0.1:0"]
+    fleet = [
+        start_worker(smollm2, a, b, descriptor=descriptor, n_ctx=512, extra=metered)
+        for a, b in LAYOUTS[3]
+    ]
+    links = [start_link(w.address, 10.0) for w in fleet]
+    yield fleet, [link.address for link in links]
+    for link in links:
+        link.stop()
+    for w in fleet:
+        w.stop()
+
+
+def test_drafted_steps_go_in_parts_behind_slow_links(
+    slow: tuple[list[WorkerProcess], list[str]], quote: list[int]
+) -> None:
+    """Where a trip takes longer than the stages' compute, the head sends a drafted step in parts
+    that the stages pipeline, and the tail replies at the first rejected draft: the output is
+    still plain decode's, token for token."""
+    fleet, addresses = slow
+    plain = Route.open(addresses, peers=addresses)
+    drafted = Route.open(addresses, peers=addresses, draft=Draft("lookup"))
+    expected = list(plain.generate(quote, 48))
+    usage = DraftUsage()
+    for _ in range(2):  # the first generation times the route's steps
+        assert [int(r.token_id) for r in drafted.results(quote, 48, usage=usage)] == expected
+    assert usage.accepted > 0, usage
+    in_parts = metric(fleet[0], "dgr:draft_steps_in_parts_total")
+    skipped = metric(fleet[-1], "dgr:draft_parts_skipped_total")
+    assert in_parts > 0, (in_parts, skipped, usage)
+    print(f"steps in parts {in_parts}, parts the tail skipped {skipped}, {usage}")
+    plain.close()
+    drafted.close()
+
+
+def test_sampled_drafted_output_equals_plain_decode(
+    slow: tuple[list[WorkerProcess], list[str]], quote: list[int]
+) -> None:
+    """Each position is sampled as plain decode samples it (seeded by position), so a draft is
+    kept exactly when plain decode would have drawn it: the same tokens, not only the same
+    distribution (steps in parts included)."""
+    _, addresses = slow
+    plain = Route.open(addresses, peers=addresses)
+    drafted = Route.open(addresses, peers=addresses, draft=Draft("lookup"))
+    for seed in (1, 2):
+        sampling = Sampling(temperature=0.7, top_k=40, top_p=0.95, seed=seed)
+        usage = DraftUsage()
+        expected = list(plain.generate(quote, 40, sampling))
+        got = [int(r.token_id) for r in drafted.results(quote, 40, sampling, usage=usage)]
+        assert got == expected
+        assert usage.accepted > 0, usage
+    plain.close()
+    drafted.close()
+
+
+def metric(worker: WorkerProcess, name: str) -> float:
+    import json
+    import urllib.request
+
+    assert worker.metrics_url is not None
+    with urllib.request.urlopen(f"{worker.metrics_url}/metrics.json", timeout=10) as r:
+        figures = json.load(r)
+    return float(figures[name])
 
 
 def test_the_coordinator_refuses_drafts_it_cannot_run(
