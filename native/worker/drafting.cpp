@@ -12,6 +12,11 @@ constexpr int32_t kWarmup = 2;       // plain steps timed before the first draft
 constexpr int32_t kProbeEvery = 16;  // with drafting off, a one-draft probe this often at first,
 constexpr int32_t kProbeMax = 256;   // twice as long after each probe rejected, up to this
 constexpr int32_t kPlainEvery = 32;  // with drafting on, a plain step this often keeps t0 fresh
+// drafting only where it is expected to gain at least this much: what the cost model leaves out
+// (each switch between a one-row and a k-row graph rebuilds the graph on every stage: 0.3-0.9 ms
+// per forward of the whole model at 1 thread) and its estimates' noise. On loopback at 1 thread
+// the model expected ~1.1x where drafting ran 0.96-0.99x of plain decode
+constexpr double kMargin = 0.10;
 
 void blend(double & avg, double x, int32_t seen) { avg = seen == 0 ? x : avg + kDecay * (x - avg); }
 }  // namespace
@@ -97,7 +102,7 @@ int32_t DraftController::best(int32_t limit, int32_t since) const {
     // the prior, until drafting steps are timed: a unit of drafting costs a quarter of a plain step
     const double beta = (draft_seen_ == 0 ? 0.25 * t0_ : beta_) * units_;
     int32_t k_best = 0;
-    double best_rate = 1.0 / t0_, expected = 1.0, pk = 1.0;
+    double best_rate = (1.0 + kMargin) / t0_, expected = 1.0, pk = 1.0;
     for (int32_t k = 1; k <= std::min(max_draft_, limit); ++k) {
         pk *= p;
         expected += pk;  // 1 + p + ... + p^k

@@ -38,7 +38,9 @@ private:
 // 2 where the tail drafts a step ahead (making the draft with the MTP block, then verifying it;
 // a step is timed with the units it carried, so the making is counted where it happened, often
 // in a step that verified nothing). The controller picks the k in [0, max_draft] with the most tokens
-// per second; where drafts are rarely accepted that is k = 0, plain decode.
+// per second, a k > 0 only where that beats plain decode by a margin (10%: what the model leaves
+// out, such as graph rebuilds between step shapes); where drafts are rarely accepted, or a draft
+// costs nearly a plain step (loopback at 1 thread), that is k = 0, plain decode.
 // How it notices when drafts start to be accepted depends on the source:
 // - shadowed (prompt lookup): proposals cost nothing to make, so in a plain step the head still
 //   proposes the next token and checks it against the token that comes back (`shadow`), one free
