@@ -104,7 +104,11 @@ def compare(
     rows: dict[str, Any] = {}
     try:
         for task, prompt in prompts.items():
-            generation(plain, prompt)  # untimed: the first graphs of this prompt's shapes
+            # untimed, each route once: the first graphs of this prompt's shapes, and for the
+            # drafted route what its steps cost (the head keeps that per route, DraftCosts: a
+            # route's first generation drafts from a prior until it has timed its steps)
+            generation(plain, prompt)
+            generation(drafted, prompt)
             rounds = []
             for k in range(n_rounds):
                 compute = 1 / engine_round(engine, prompt, 16)["decode"]
