@@ -666,9 +666,9 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                 // in parts that the stages pipeline (verify.h), where the links take longer than
                 // the stages' compute: a part travels while the next is computed. Where the trip
                 // is mostly compute (loopback) the stages could only overlap on spare cores, and
-                // each part costs every stage a forward more (on 2 cores, 0.90x of plain decode
-                // at 1 thread per stage on loopback against 0.98x whole; 1.23x whole behind 10 ms
-                // links)
+                // each part costs every stage a forward more (2 cores, against whole steps: 1.19-
+                // 1.23x behind 10 ms links at 1 thread, 1.12x at 2; forced into parts on loopback
+                // 0.92x at 1 thread and 0.97x at 2, one A/B each)
                 const double t0 = drafts ? drafts->costs().t0 : 0.0;
                 const bool in_parts = lookup && in_flight_drafts > 0 && peers == 0 && mates.size <= 1 &&
                                       route.stages_size() > 1 && per > 0 && rows > per && head_s > 0.0 &&
