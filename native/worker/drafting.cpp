@@ -63,6 +63,10 @@ DraftController::DraftController(int32_t max_draft, double units_per_draft, bool
       trials_(shadowed ? 3.0 : 2.0),
       probe_every_(kProbeEvery) {
     // a route timed before: no warm-up, and its beta instead of the prior; both keep adapting
+    if (costs.probe_every > 0) {
+        probe_every_ = costs.probe_every;
+        since_draft_ = costs.since_draft;
+    }
     if (costs.t0 > 0.0) {
         t0_ = costs.t0;
         plain_seen_ = kWarmup;
@@ -75,7 +79,7 @@ DraftController::DraftController(int32_t max_draft, double units_per_draft, bool
 
 double DraftController::acceptance() const { return hits_ / trials_; }
 
-StepCosts DraftController::costs() const { return {t0_, beta_, draft_seen_ > 0, 0.0}; }
+StepCosts DraftController::costs() const { return {t0_, beta_, draft_seen_ > 0, 0.0, probe_every_, since_draft_}; }
 
 StepCosts DraftCosts::get(uint64_t route) const {
     std::lock_guard<std::mutex> lock(mutex_);

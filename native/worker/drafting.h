@@ -61,6 +61,10 @@ struct StepCosts {
     bool drafted = false;         // beta measured (otherwise the prior)
     double head = 0.0;            // seconds: the head's own compute of a plain step (0: not timed;
                                   // the head's, not the controller's: whether steps go in parts)
+    // probing (unshadowed sources, MTP): steps between probes and steps since the last draft, so
+    // that a route whose probes keep failing (an MTP block that drafts nothing useful) backs off
+    // across generations too, instead of probing afresh at the 16th step of each (0: none yet)
+    int32_t probe_every = 0, since_draft = 0;
 };
 
 struct DraftChoice {

@@ -446,3 +446,21 @@ def test_a_relay_request_verifies_drafts_after_a_longer_prefix(
     assert reply.accepted == accepted and reply.drafted == len(drafts)
     assert reply.n_past == len(tokens) + accepted
     assert reply.prefix_hash == prefix_hash(tokens + drafts[:accepted], FNV_OFFSET)
+
+
+def test_dgr_worker_passes_the_part_size_to_the_worker(tmp_path: Path) -> None:
+    """`dgr worker --draft-part-rows N` reaches the worker, which refuses a size it cannot split
+    by (part 0 holds the last accepted token and at least one draft)."""
+    import subprocess
+    import sys
+
+    dgr = str(Path(sys.executable).parent / "dgr")
+    out = subprocess.run(
+        [dgr, "worker", "--layers", "0:15", "--draft-part-rows", "1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert out.returncode == 2, out
+    assert "--draft-part-rows: 0 (whole steps) or 2..64" in out.stderr, out.stderr

@@ -91,6 +91,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
             for arg in (flag, str(value))
         ],
         *(["--gather-us", str(args.gather_us)] if args.gather_us is not None else []),
+        *(
+            ["--draft-part-rows", str(args.draft_part_rows)]
+            if args.draft_part_rows is not None
+            else []
+        ),
         # 0 is a value here (the worker's default off the CPU lane is all layers)
         *(["--gpu-layers", str(args.gpu_layers)] if args.gpu_layers is not None else []),
         *(["--mtp"] if args.mtp else []),
@@ -275,6 +280,14 @@ def register_worker(sub: Any) -> None:
         metavar="US",
         help="forward mode: how long a decode step that arrives with batch-mates from the stage "
         "before waits for the rest of them (default: the worker's own; 0: never waits)",
+    )
+    p.add_argument(
+        "--draft-part-rows",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the head, behind slow links: a drafted step of more rows goes in parts of about N "
+        "rows that the stages pipeline (default: the worker's own, 2; 0: steps go whole)",
     )
     p.add_argument(
         "--mtp",
