@@ -42,3 +42,5 @@ def test_the_request_seeds_reach_every_stage_kind() -> None:
         pb.DTYPE_BF16,
     }
     assert any(s.HasField("route") for s in seeds)
+    # a drafted step in parts: its later part holds drafts only
+    assert any(s.chunk_index > 0 and s.n_draft == len(s.token_ids) for s in seeds)

@@ -129,6 +129,27 @@ def request_seeds() -> list[bytes]:
                 token_interval_ms=25,
             ).SerializeToString()
         )
+    # a drafted step at the tail of a 3-stage route: whole, and its two parts (verify.h)
+    tokens = [int(t) for t in rng.integers(0, FUZZ_TWIN.n_vocab, 5)]
+    route = pb.RouteSpec(stages=["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"], stage_index=2)
+    for first, n, n_draft, index, last in (
+        (0, 5, 4, 0, True),
+        (0, 3, 2, 0, False),
+        (3, 2, 2, 1, True),
+    ):
+        boundary = encode(rng.standard_normal((n, n_embd)).astype(np.float32), "f32")
+        seeds.append(
+            pb.ForwardRequest(
+                session_id=9,
+                expect=pb.CacheExpectation(epoch=1, n_past=first, truncate=index == 0),
+                boundary=boundary,
+                token_ids=tokens[first : first + n],
+                n_draft=n_draft,
+                chunk_index=index,
+                last_chunk=last,
+                route=route,
+            ).SerializeToString()
+        )
     return seeds
 
 
