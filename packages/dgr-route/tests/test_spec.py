@@ -311,6 +311,39 @@ def test_drafted_steps_go_in_parts_behind_slow_links(
     drafted.close()
 
 
+def test_a_stage_that_dies_while_steps_go_in_parts_is_named(
+    smollm2: Path, quote: list[int]
+) -> None:
+    """A middle stage killed while drafted steps go in parts: the coordinator gets a RouteError
+    naming it within the route's deadline, with the tokens generated before it; nothing hangs."""
+    import threading
+
+    from dgr_bench.netsim import start_link
+
+    descriptor = descriptor_args(smollm2)
+    fleet = [start_worker(smollm2, a, b, descriptor=descriptor, n_ctx=512) for a, b in LAYOUTS[3]]
+    links = [start_link(w.address, 10.0) for w in fleet]
+    try:
+        addresses = [link.address for link in links]
+        route = Route.open(addresses, peers=addresses, timeout=20, draft=Draft("lookup"))
+        list(route.generate(quote, 48))  # the route's steps timed: the next generation splits
+        got: list[int] = []
+        killer = threading.Timer(0.8, fleet[1].proc.kill)
+        killer.start()
+        with pytest.raises(RouteError) as info:
+            for token in route.generate(quote, 400):
+                got.append(token)
+        killer.join()
+        assert info.value.stage == 1, info.value
+        assert 0 < len(got) < 400
+        route.close()
+    finally:
+        for link in links:
+            link.stop()
+        for w in fleet:
+            w.stop()
+
+
 def test_sampled_drafted_output_equals_plain_decode(
     slow: tuple[list[WorkerProcess], list[str]], quote: list[int]
 ) -> None:
