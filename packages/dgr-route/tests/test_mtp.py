@@ -234,31 +234,30 @@ def test_greedy_output_with_mtp_drafts_equals_plain_decode(
 def test_concurrent_sessions_with_mtp_drafts_keep_their_own_output(
     fleet: dict[tuple[int, int], WorkerProcess],
     concurrently: Callable[..., list[Any]],
-    request: pytest.FixtureRequest,
 ) -> None:
     """Sessions that reach the tail together each keep their own MTP trail. (This test found that
     a V4 stage after the head aborted on a batch of several sessions: llama.cpp splits it into a
     ubatch per sequence, and a staged boundary serves one; such a stage now computes them one
     llama_decode each.)"""
-    from dgr_bench.netsim import start_link
+    from dgr_bench.bench_wan import linked
 
     # a route of its own (through links that add nothing): the head keeps a route's probing
     # across generations, and the earlier tests' routes through these workers backed off theirs
-    links = [start_link(fleet[r].address, 0.0) for r in LAYOUTS[2]]
-    request.addfinalizer(lambda: [link.stop() for link in links])
-    addresses = [link.address for link in links]
-    plain = Route.open(addresses, timeout=60, peers=addresses)
-    drafted = Route.open(addresses, timeout=60, peers=addresses, draft=Draft("mtp", max_draft=4))
-    prompts = [[int(t) for t in prompt(30 + i, 30 + 5 * i)] for i in range(3)]
-    alone = [list(plain.generate(p, 32)) for p in prompts]
-    usages = [DraftUsage() for _ in prompts]
-    together = concurrently(
-        lambda i: [int(r.token_id) for r in drafted.results(prompts[i], 32, usage=usages[i])],
-        len(prompts),
-        120,
-    )
-    plain.close()
-    drafted.close()
+    with linked([fleet[r].address for r in LAYOUTS[2]], 0.0) as addresses:
+        plain = Route.open(addresses, timeout=60, peers=addresses)
+        drafted = Route.open(
+            addresses, timeout=60, peers=addresses, draft=Draft("mtp", max_draft=4)
+        )
+        prompts = [[int(t) for t in prompt(30 + i, 30 + 5 * i)] for i in range(3)]
+        alone = [list(plain.generate(p, 32)) for p in prompts]
+        usages = [DraftUsage() for _ in prompts]
+        together = concurrently(
+            lambda i: [int(r.token_id) for r in drafted.results(prompts[i], 32, usage=usages[i])],
+            len(prompts),
+            120,
+        )
+        plain.close()
+        drafted.close()
     assert together == alone
     assert all(u.drafted > 0 for u in usages), usages
 

@@ -7,6 +7,7 @@ rollback in the engine restores the cache exactly; bad draft fields are refused 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -269,24 +270,35 @@ def test_parts_of_a_drafted_step_are_checked_by_name(
             assert needle in (info.value.details() or ""), info.value.details()
 
 
+@contextmanager
+def behind_links(
+    model: Path,
+    layout: list[tuple[int, int]],
+    delay_ms: float,
+    extra: list[str] | None = None,
+) -> Iterator[tuple[list[WorkerProcess], list[str]]]:
+    """Workers for `layout`, each behind a dgr-netsim link adding `delay_ms` each way, as a WAN
+    would; yields them and the links' addresses (what the coordinator and the stages reach)."""
+    from dgr_bench.bench_wan import linked
+
+    descriptor = descriptor_args(model)
+    fleet = [
+        start_worker(model, a, b, descriptor=descriptor, n_ctx=512, extra=extra) for a, b in layout
+    ]
+    try:
+        with linked([w.address for w in fleet], delay_ms) as addresses:
+            yield fleet, addresses
+    finally:
+        for w in fleet:
+            w.stop()
+
+
 @pytest.fixture(scope="module")
 def slow(smollm2: Path) -> Iterator[tuple[list[WorkerProcess], list[str]]]:
-    """A 3-stage route whose every link adds 10 ms (dgr-netsim), as a WAN would: drafting pays
-    there (on loopback the head may rightly stop drafting once it has timed the route)."""
-    from dgr_bench.netsim import start_link
-
-    descriptor = descriptor_args(smollm2)
-    metered = ["--metrics-listen", "127.0.0.1:0"]
-    fleet = [
-        start_worker(smollm2, a, b, descriptor=descriptor, n_ctx=512, extra=metered)
-        for a, b in LAYOUTS[3]
-    ]
-    links = [start_link(w.address, 10.0) for w in fleet]
-    yield fleet, [link.address for link in links]
-    for link in links:
-        link.stop()
-    for w in fleet:
-        w.stop()
+    """A 3-stage route whose every link adds 10 ms: drafting pays there (on loopback the head
+    may rightly stop drafting once it has timed the route)."""
+    with behind_links(smollm2, LAYOUTS[3], 10.0, ["--metrics-listen", "127.0.0.1:0"]) as route:
+        yield route
 
 
 def test_drafted_steps_go_in_parts_behind_slow_links(
@@ -318,13 +330,7 @@ def test_a_stage_that_dies_while_steps_go_in_parts_is_named(
     naming it within the route's deadline, with the tokens generated before it; nothing hangs."""
     import threading
 
-    from dgr_bench.netsim import start_link
-
-    descriptor = descriptor_args(smollm2)
-    fleet = [start_worker(smollm2, a, b, descriptor=descriptor, n_ctx=512) for a, b in LAYOUTS[3]]
-    links = [start_link(w.address, 10.0) for w in fleet]
-    try:
-        addresses = [link.address for link in links]
+    with behind_links(smollm2, LAYOUTS[3], 10.0) as (fleet, addresses):
         route = Route.open(addresses, peers=addresses, timeout=20, draft=Draft("lookup"))
         list(route.generate(quote, 48))  # the route's steps timed: the next generation splits
         got: list[int] = []
@@ -337,11 +343,6 @@ def test_a_stage_that_dies_while_steps_go_in_parts_is_named(
         assert info.value.stage == 1, info.value
         assert 0 < len(got) < 400
         route.close()
-    finally:
-        for link in links:
-            link.stop()
-        for w in fleet:
-            w.stop()
 
 
 def test_sampled_drafted_output_equals_plain_decode(
@@ -391,16 +392,7 @@ def test_v4_twin_drafts_roll_back_through_state_snapshots(quick_twin: Path) -> N
     logits bit for bit. A V4 stage verifies a step's rows one llama_decode each, so drafting pays
     only where trips cost more than compute: every link here adds 5 ms (dgr-netsim), as a WAN
     would, or the head would rightly stop drafting."""
-    from dgr_bench.netsim import start_link
-
-    descriptor = descriptor_args(quick_twin)
-    fleet = [
-        start_worker(quick_twin, a, b, descriptor=descriptor, n_ctx=512)
-        for a, b in [(0, 2), (2, 3), (3, 6)]
-    ]
-    links = [start_link(w.address, 5.0) for w in fleet]
-    try:
-        addresses = [link.address for link in links]
+    with behind_links(quick_twin, [(0, 2), (2, 3), (3, 6)], 5.0) as (_, addresses):
         plain = Route.open(addresses, peers=addresses)
         drafted = Route.open(addresses, peers=addresses, draft=Draft("lookup"))
         assert [s.describe.max_rollback for s in drafted.stages] == [16, 16, 16]
@@ -419,11 +411,6 @@ def test_v4_twin_drafts_roll_back_through_state_snapshots(quick_twin: Path) -> N
         assert usage.accepted > 0 and usage.drafted > usage.accepted, usage  # kept and rolled back
         plain.close()
         drafted.close()
-    finally:
-        for link in links:
-            link.stop()
-        for w in fleet:
-            w.stop()
 
 
 def test_a_stage_that_cannot_roll_back_refuses_drafting(
