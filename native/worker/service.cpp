@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <deque>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -279,8 +280,8 @@ void ShardService::release(uint64_t session, uint64_t epoch) { engine_->release_
 
 Status ShardService::compute(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers,
                              StepCheck * check) {
-    StepCheck whole;  // no stream's check: each request is a whole step
-    Status st = compute_one(req, reply, peers, check != nullptr ? *check : whole);
+    std::optional<StepCheck> whole;  // no stream's check: each request is a whole step
+    Status st = compute_one(req, reply, peers, check != nullptr ? *check : whole.emplace());
     if (!st.ok()) metrics_.error(st.error_code());
     return st;
 }
@@ -669,10 +670,9 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                 // each part costs every stage a forward more (2 cores, against whole steps: 1.19-
                 // 1.23x behind 10 ms links at 1 thread, 1.12x at 2; forced into parts on loopback
                 // 0.92x at 1 thread and 0.97x at 2, one A/B each)
-                const double t0 = drafts ? drafts->costs().t0 : 0.0;
                 const bool in_parts = lookup && in_flight_drafts > 0 && peers == 0 && mates.size <= 1 &&
                                       route.stages_size() > 1 && per > 0 && rows > per && head_s > 0.0 &&
-                                      t0 > 2.0 * route.stages_size() * head_s;
+                                      drafts->costs().t0 > 2.0 * route.stages_size() * head_s;
                 if (in_parts) {
                     // balanced, the larger first, each a forward of its own here and on every stage
                     metrics_.step_in_parts();
@@ -693,13 +693,13 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                         process(part);
                         offset += size;
                     }
-                } else {
+                } else if (lookup && rows == 1) {  // what a plain step costs this stage (the send included)
                     const auto started = std::chrono::steady_clock::now();
                     process(step, peers);
-                    if (rows == 1) {  // what a plain step costs this stage (the send included)
-                        const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-                        head_s = head_s > 0.0 ? 0.75 * head_s + 0.25 * took : took;
-                    }
+                    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+                    head_s = head_s > 0.0 ? 0.75 * head_s + 0.25 * took : took;
+                } else {
+                    process(step, peers);
                 }
                 break;
             }

@@ -63,7 +63,7 @@ Status StepCheck::before(const dgr::v1::ForwardRequest & req, Next * next, dgr::
     return Status::OK;
 }
 
-bool StepCheck::take(const dgr::v1::ForwardRequest & req, const dgr::ForwardResult & res, dgr::v1::ForwardReply * reply) {
+void StepCheck::take(const dgr::v1::ForwardRequest & req, const dgr::ForwardResult & res, dgr::v1::ForwardReply * reply) {
     thread_local TailSampler sampler;
     auto add = [&](int32_t row, int32_t position) {
         const float * logits = (const float *) res.data.data() + (size_t) row * (size_t) res.row_width;
@@ -92,7 +92,7 @@ bool StepCheck::take(const dgr::v1::ForwardRequest & req, const dgr::ForwardResu
         add(res.n_rows - 1, res.n_past);
         reply->mutable_token()->Swap(out_.mutable_token());
         ready_ = req.last_chunk();
-        return true;
+        return;
     }
     // every row of a drafted step (logits_all): row r follows token_ids[r]; the rows before the
     // last accepted token's (none from the head) are context, not verified
@@ -113,7 +113,7 @@ bool StepCheck::take(const dgr::v1::ForwardRequest & req, const dgr::ForwardResu
             if (last_part) break;  // the step's last row: its sample is the token after the last draft
             pending_ = token;      // compared with the next part's first draft
             ready_ = false;
-            return false;
+            return;
         }
         if (token != req.token_ids(r + 1)) break;  // rejected: this sample is plain decode's token here
         ++accepted_;
@@ -121,7 +121,6 @@ bool StepCheck::take(const dgr::v1::ForwardRequest & req, const dgr::ForwardResu
     finish(reply);
     if (last_part) open_ = false;
     ready_ = true;
-    return true;
 }
 
 void StepCheck::finish(dgr::v1::ForwardReply * reply) {

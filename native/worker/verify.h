@@ -34,9 +34,9 @@ public:
     // before computing `req` (validated): what to do with it. A later part that does not follow
     // the parts before it (its index, its n_past, the step's draft limit) is INVALID_ARGUMENT.
     grpc::Status before(const dgr::v1::ForwardRequest & req, Next * next, dgr::v1::ForwardReply * reply);
-    // the logits of `req` (every row of a drafted step, else the last): its tokens into `reply`;
-    // true when the step is decided and `reply` complete, false when more parts must come
-    bool take(const dgr::v1::ForwardRequest & req, const dgr::ForwardResult & res, dgr::v1::ForwardReply * reply);
+    // the logits of `req` (every row of a drafted step, else the last): its tokens into `reply`,
+    // complete once the step is decided (ready() says whether it goes back now)
+    void take(const dgr::v1::ForwardRequest & req, const dgr::ForwardResult & res, dgr::v1::ForwardReply * reply);
     // whether the reply of the request just handled goes back (in forward mode, from the tail to
     // the head): a prefill's last chunk, a plain or whole drafted step, the part that decided a step
     bool ready() const { return ready_; }
