@@ -65,6 +65,11 @@ struct StepCosts {
     // that a route whose probes keep failing (an MTP block that drafts nothing useful) backs off
     // across generations too, instead of probing afresh at the 16th step of each (0: none yet)
     int32_t probe_every = 0, since_draft = 0;
+    // acceptance (unshadowed sources, MTP): the decayed counts behind p, so that the next
+    // generation starts from what the route's drafts achieved instead of the prior of 1/2, which
+    // kept an MTP block that drafts nothing useful drafting for the first steps of every
+    // generation (0 trials: none yet; a shadowed source learns p free in each generation's text)
+    double hits = 0.0, trials = 0.0;
 };
 
 struct DraftChoice {
@@ -84,7 +89,7 @@ public:
     // sent (shadowed controllers)
     void shadow(bool accepted);
     double acceptance() const;             // p, the estimate
-    StepCosts costs() const;               // t0 and beta as measured so far
+    StepCosts costs() const;               // what the steps measured so far (for DraftCosts)
 
 private:
     int32_t best(int32_t limit, int32_t since) const;  // the k with the most tokens per second

@@ -217,6 +217,7 @@ def test_greedy_output_with_mtp_drafts_equals_plain_decode(
     plain = Route.open(addresses, timeout=60)
     drafted = Route.open(addresses, timeout=60, draft=Draft("mtp", max_draft=4))
     assert drafted.stages[-1].describe.mtp
+    usages = []
     for seed in (11, 12):
         tokens = [int(t) for t in prompt(seed, 40)]
         expected = list(plain.trace(tokens, 40))
@@ -225,8 +226,12 @@ def test_greedy_output_with_mtp_drafts_equals_plain_decode(
         assert [t for t, _ in got] == [t for t, _ in expected], seed
         for step, ((_, mine), (_, want)) in enumerate(zip(got, expected, strict=True)):
             assert np.array_equal(mine, want), (seed, step)
-        assert usage.drafted > 0, usage  # drafts were proposed and verified
         assert 0 <= usage.accepted <= usage.drafted
+        usages.append(usage)
+    # drafts were proposed and verified: the route's first generation starts from the prior
+    # and probes by its 16th step at the latest; the next starts from the acceptance the first
+    # measured, on this random-weight twin 0, and may send no draft at all
+    assert usages[0].drafted > 0, usages
     plain.close()
     drafted.close()
 
@@ -260,6 +265,32 @@ def test_concurrent_sessions_with_mtp_drafts_keep_their_own_output(
         drafted.close()
     assert together == alone
     assert all(u.drafted > 0 for u in usages), usages
+
+
+def test_a_route_whose_mtp_drafts_fail_stops_drafting_in_later_generations(
+    fleet: dict[tuple[int, int], WorkerProcess],
+) -> None:
+    """The head keeps a route's MTP acceptance across generations. Behind 10 ms links, where a
+    measured draft costs little beside a trip, generations that each started again from the
+    prior of 1/2 drafted 8-10 times on this random-weight twin, whose drafts are never accepted
+    (the previous worker, 2, 10, 8, 8 over these four). Starting from what the route's earlier
+    generations measured, later ones send at most their probes (one after 16 steps, then ever
+    rarer): 1, 1, 0, 0."""
+    from dgr_bench.bench_wan import linked
+
+    with linked([fleet[r].address for r in LAYOUTS[3]], 10.0) as addresses:
+        drafted = Route.open(
+            addresses, timeout=60, peers=addresses, draft=Draft("mtp", max_draft=4)
+        )
+        usages = []
+        for seed in (40, 41, 42, 43):
+            usage = DraftUsage()
+            list(drafted.results([int(t) for t in prompt(seed, 40)], 40, usage=usage))
+            usages.append(usage)
+        drafted.close()
+    assert all(u.accepted == 0 for u in usages), usages  # the twin's drafts fail (its premise)
+    assert usages[0].drafted > 0, usages  # the first generation measured p and beta
+    assert all(u.drafted <= 2 for u in usages[1:]), usages  # probes only
 
 
 def test_the_coordinator_and_workers_refuse_mtp_they_cannot_run(
