@@ -272,10 +272,10 @@ def test_a_route_whose_mtp_drafts_fail_stops_drafting_in_later_generations(
 ) -> None:
     """The head keeps a route's MTP acceptance across generations. Behind 10 ms links, where a
     measured draft costs little beside a trip, generations that each started again from the
-    prior of 1/2 drafted 8-10 times on this random-weight twin, whose drafts are never accepted
-    (the previous worker, 2, 10, 8, 8 over these four). Starting from what the route's earlier
-    generations measured, later ones send at most their probes (one after 16 steps, then ever
-    rarer): 1, 1, 0, 0."""
+    prior of 1/2 drafted 8-10 times on this random-weight twin, whose drafts are hardly ever
+    accepted (the previous worker: 2, 10, 8, 8 drafts over these four, 1 accepted). Starting
+    from what the route's earlier generations measured, later ones send at most their probes
+    (one after 16 steps, then ever rarer): 1, 1, 0, 0."""
     from dgr_bench.bench_wan import linked
 
     with linked([fleet[r].address for r in LAYOUTS[3]], 10.0) as addresses:
