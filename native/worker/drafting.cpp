@@ -67,7 +67,7 @@ DraftController::DraftController(int32_t max_draft, double units_per_draft, bool
         probe_every_ = costs.probe_every;
         since_draft_ = costs.since_draft;
     }
-    if (!shadowed_ && costs.trials > 0.0 && costs.hits >= 0.0 && costs.hits <= costs.trials) {
+    if (!shadowed_ && costs.trials > 0.0) {  // a shadowed source relearns p from each text
         hits_ = costs.hits;
         trials_ = costs.trials;
     }
@@ -84,12 +84,7 @@ DraftController::DraftController(int32_t max_draft, double units_per_draft, bool
 double DraftController::acceptance() const { return hits_ / trials_; }
 
 StepCosts DraftController::costs() const {
-    StepCosts c{t0_, beta_, draft_seen_ > 0, 0.0, probe_every_, since_draft_};
-    if (!shadowed_) {
-        c.hits = hits_;
-        c.trials = trials_;
-    }
-    return c;
+    return {t0_, beta_, draft_seen_ > 0, 0.0, probe_every_, since_draft_, hits_, trials_};
 }
 
 StepCosts DraftCosts::get(uint64_t route) const {

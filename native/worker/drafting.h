@@ -65,10 +65,10 @@ struct StepCosts {
     // that a route whose probes keep failing (an MTP block that drafts nothing useful) backs off
     // across generations too, instead of probing afresh at the 16th step of each (0: none yet)
     int32_t probe_every = 0, since_draft = 0;
-    // acceptance (unshadowed sources, MTP): the decayed counts behind p, so that the next
-    // generation starts from what the route's drafts achieved instead of the prior of 1/2, which
-    // kept an MTP block that drafts nothing useful drafting for the first steps of every
-    // generation (0 trials: none yet; a shadowed source learns p free in each generation's text)
+    // acceptance, read back by unshadowed sources (MTP) only: the decayed counts behind p, so
+    // that the next generation starts from what the route's drafts achieved instead of the prior
+    // of 1/2, which kept an MTP block that drafts nothing useful drafting for the first steps of
+    // every generation (0 trials: none yet; a shadowed source learns p free in each text)
     double hits = 0.0, trials = 0.0;
 };
 
