@@ -438,6 +438,7 @@ public:
         auto it = sessions_.find(session);
         if (it == sessions_.end() || it->second.epoch != epoch) return false;
         drop(session);
+        rest_if_idle();
         return true;
     }
 
@@ -468,6 +469,7 @@ public:
             throw ShardError(Status::unknown_session, "no session " + std::to_string(session) + " on this shard");
         }
         drop(session);
+        rest_if_idle();
     }
 
     ForwardResult forward(const ForwardRequest & req, DType out_dtype) override {
@@ -948,6 +950,14 @@ private:
 
     void pause_pool() {
         if (attached_ != nullptr && options_.sleep_when_idle) ggml_threadpool_pause(attached_);
+    }
+
+    // with its last session released, the pool stops polling for a next graph: at `poll` 50 its
+    // threads would spin on for 0.1-0.3 s (a core taken from whatever runs next, e.g. a route's
+    // stages beside an engine in the same host). The next forward resumes it (ggml's kickoff).
+    // With mutex_ held.
+    void rest_if_idle() {
+        if (attached_ != nullptr && sessions_.empty()) ggml_threadpool_pause(attached_);
     }
 
     // what a forward must satisfy before llama.cpp sees it

@@ -188,6 +188,25 @@ def test_sessions_capacity_and_release(engine_module: ModuleType, smollm2: Path)
     assert shard_error(info) == "unknown_session"
 
 
+def test_an_engine_without_sessions_takes_no_cpu(engine_module: ModuleType, smollm2: Path) -> None:
+    """Between forwards the compute pool polls for the next graph (poll 50); once the last session
+    is released it sleeps. Before, its second thread spun on for 0.1-0.3 s after a generation,
+    taking a core from whatever ran next on the host (the benches' routes, timed right after an
+    in-process generation, computed their prefills beside it)."""
+    full = engine(engine_module, smollm2, 0, 30, poll=50)
+    prompt = np.arange(1000, 1032, dtype=np.int32)
+    first = full.forward(1, 1, 0, tokens=prompt)
+    for i in range(8):
+        full.forward(1, 1, 32 + i, tokens=np.array([1000 + i], np.int32))
+    full.release(1)
+    cpu = time.process_time()
+    time.sleep(0.3)
+    idle = time.process_time() - cpu
+    assert idle < 0.05, f"{idle:.3f} s of CPU in 0.3 s with no session: the pool kept polling"
+    # the next forward wakes the pool: the same prompt computes the same logits
+    np.testing.assert_array_equal(full.forward(2, 1, 0, tokens=prompt), first)
+
+
 def test_gil_is_released_during_compute(engine_module: ModuleType, smollm2: Path) -> None:
     full = engine(engine_module, smollm2, 0, 30, n_batch=256, n_ctx=512)
     tokens = np.arange(1000, 1256, dtype=np.int32)

@@ -204,6 +204,10 @@ public:
     // where the block's cache is not in step with the session (a forward came without `mtp`).
     // Drafts are proposals: what the route outputs is decided by verifying them.
     virtual std::vector<int32_t> draft_mtp(uint64_t session, int32_t n_keep, int32_t token, int32_t max_draft) = 0;
+    // Frees the session's cache (unknown_session where there is none). An engine left without
+    // sessions (here or by release_epoch) lets its compute threads sleep: between forwards they
+    // poll for the next graph (`poll`), which at 50 would go on taking a core for 0.1-0.3 s after
+    // the last one; the next forward wakes them.
     virtual void release(uint64_t session) = 0;
     // release the session only while it is at `epoch` (a stream of an older epoch ending after a
     // route change must not drop the newer cache); returns whether it released
