@@ -3,9 +3,10 @@
 // A TCP proxy in front of one upstream address. Every byte is delivered `--latency-ms` after it
 // arrived, in order, through a link of `--mbps` (unlimited by default), in both directions. Each
 // direction of each connection has a reader thread (blocking recv, stamps the chunk with its due
-// time) and a writer thread (sleeps until the chunk is due on CLOCK_MONOTONIC, then sends it):
-// the link itself takes no CPU between chunks and adds no latency of its own beyond a thread
-// wake-up, where the asyncio proxy it replaces took 0.3-0.7 ms of a shared core per crossing.
+// time: the kernel's receive stamp plus the latency) and a writer thread (sleeps until the chunk is
+// due on CLOCK_MONOTONIC, its timer aimed early by its own measured oversleep, then sends it): the
+// link itself takes no CPU between chunks and adds no latency of its own, where the asyncio proxy
+// it replaces took 0.3-0.7 ms of a shared core per crossing.
 //
 // Prints `DGR-NETSIM-READY port=N` once it listens. With --control it reads fault commands on
 // stdin, one per line, and answers `DGR-NETSIM-OK` once each is applied:
@@ -16,6 +17,8 @@
 //   corrupt N         flip one byte in each of the next N chunks of at least 1 KiB travelling
 //                     toward the upstream (boundaries)
 //   delay MS          add MS to the one-way latency (a spike; `delay 0` ends it)
+//   stats             answers `DGR-NETSIM-OK key=value ...`: how late chunks left against their
+//                     due time (percentiles, us) and the readers' mean wake-up lag
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -25,6 +28,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
@@ -62,6 +66,96 @@ void sleep_until(int64_t due_ns) {
     while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, nullptr) == EINTR) {
     }
 }
+
+// When bytes reached the socket, on CLOCK_MONOTONIC: the kernel's receive timestamp
+// (SO_TIMESTAMPNS, CLOCK_REALTIME) moved onto the monotonic clock, so the reader thread's own
+// wake-up does not lengthen the link; `now` where the kernel gave none.
+int64_t arrival_ns(const msghdr & msg, int64_t now) {
+    for (cmsghdr * c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(const_cast<msghdr *>(&msg), c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_TIMESTAMPNS) {
+            timespec stamp{};
+            std::memcpy(&stamp, CMSG_DATA(c), sizeof stamp);
+            timespec real{};
+            clock_gettime(CLOCK_REALTIME, &real);
+            const int64_t age = ((int64_t) real.tv_sec - stamp.tv_sec) * 1000000000 + (real.tv_nsec - stamp.tv_nsec);
+            return age >= 0 && age < 1000000000 ? now - age : now;
+        }
+    }
+    return now;
+}
+
+// How late the link delivers each chunk against its due time (send() returning, less the due
+// time): the link's accuracy, which `stats` reports as percentiles, for chunks of a decode step's
+// size (under 8 KiB: boundaries of a token or two, token ids, replies) and for all, with the
+// reader's mean wake-up after the bytes arrived (kept off the link by the kernel's stamp).
+class Accuracy {
+public:
+    static constexpr size_t kSmall = 8 << 10;
+    void add(size_t bytes, int64_t late_ns, int64_t stamp_lag_ns) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (bytes < kSmall) small_.add(late_ns);
+        all_.add(late_ns);
+        lag_sum_ns_ += stamp_lag_ns;
+        ++chunks_;
+    }
+    std::string report() {
+        std::lock_guard<std::mutex> lock(mu_);
+        char line[512];
+        std::snprintf(line, sizeof line,
+                      "chunks=%lld small_late_p10_us=%d small_late_p50_us=%d small_late_p90_us=%d small_chunks=%lld "
+                      "all_late_p50_us=%d all_late_p90_us=%d stamp_lag_mean_us=%.1f",
+                      (long long) chunks_, small_.percentile(0.1), small_.percentile(0.5), small_.percentile(0.9),
+                      (long long) small_.n, all_.percentile(0.5), all_.percentile(0.9),
+                      chunks_ > 0 ? (double) lag_sum_ns_ / (double) chunks_ / 1e3 : 0.0);
+        return line;
+    }
+
+private:
+    // lateness in whole microseconds, -1000..9999 (clamped at both ends)
+    struct Histogram {
+        static constexpr int kLo = -1000, kHi = 9999;
+        std::vector<int64_t> bins = std::vector<int64_t>(kHi - kLo + 1, 0);
+        int64_t n = 0;
+        void add(int64_t late_ns) {
+            const int64_t us = std::clamp<int64_t>(late_ns / 1000, kLo, kHi);
+            ++bins[(size_t) (us - kLo)];
+            ++n;
+        }
+        int percentile(double q) const {
+            int64_t seen = 0;
+            for (size_t i = 0; i < bins.size(); ++i) {
+                seen += bins[i];
+                if (n > 0 && (double) seen >= q * (double) n) return (int) i + kLo;
+            }
+            return 0;
+        }
+    };
+    std::mutex mu_;
+    Histogram small_, all_;
+    int64_t lag_sum_ns_ = 0, chunks_ = 0;
+};
+Accuracy g_accuracy;
+
+// Aims a writer's timer early by the least of its recent oversleeps (a halted vCPU's timer wake
+// takes tens of microseconds here), so bytes leave at their due time rather than one wake-up after
+// it. The aim falls to a shorter oversleep at once and rises toward a longer one slowly, by 1/16 of
+// the gap, capped at 50 us: a wake-up that comes early by the aim is rare, and one delayed by a
+// busy core does not drag the aim with it.
+class AimedTimer {
+public:
+    explicit AimedTimer(int64_t latency_ns) : cap_ns_(std::min<int64_t>(latency_ns / 4, 50000)) {}
+    void sleep_until_due(int64_t due_ns) {
+        const int64_t target = due_ns - aim_ns_;
+        if (target <= now_ns()) return;
+        sleep_until(target);
+        const int64_t over = std::min(now_ns() - target, cap_ns_);  // this wake-up's oversleep
+        aim_ns_ = over < aim_ns_ ? over : aim_ns_ + (over - aim_ns_) / 16;
+    }
+
+private:
+    int64_t cap_ns_;
+    int64_t aim_ns_ = 0;
+};
 
 // What a chaos run has turned on (see the header).
 struct Faults {
@@ -112,6 +206,7 @@ private:
 
 struct Chunk {
     int64_t due_ns = 0;
+    int64_t stamp_lag_ns = 0;  // the reader's wake-up after the bytes arrived (not on the link)
     std::vector<char> data;  // empty: the source ended
 };
 
@@ -124,8 +219,17 @@ public:
     void read_loop() {
         int64_t link_free = 0;
         std::vector<char> buf(1 << 16);
+        const int on = 1;
+        ::setsockopt(from_, SOL_SOCKET, SO_TIMESTAMPNS, &on, sizeof on);
+        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(timespec))];
         for (;;) {
-            const ssize_t n = ::recv(from_, buf.data(), buf.size(), 0);
+            iovec iov{buf.data(), buf.size()};
+            msghdr msg{};
+            msg.msg_iov = &iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control;
+            msg.msg_controllen = sizeof control;
+            const ssize_t n = ::recvmsg(from_, &msg, 0);
             if (n < 0 && errno == EINTR) continue;
             if (n <= 0) break;
             if (faults_.blackhole.load()) conn_->dead.store(true);
@@ -139,8 +243,10 @@ public:
                 if (left > 0) chunk.data[(size_t) n * 3 / 4] ^= 0x5A;
             }
             const int64_t now = now_ns();
+            const int64_t arrived = arrival_ns(msg, now);
+            chunk.stamp_lag_ns = now - arrived;
             const int64_t transmit = opt_.bits_per_s > 0 ? (int64_t) (n * 8 / opt_.bits_per_s * 1e9) : 0;
-            link_free = std::max(link_free, now) + transmit;
+            link_free = std::max(link_free, arrived) + transmit;
             chunk.due_ns = link_free + (int64_t) (opt_.latency_s * 1e9) + faults_.extra_ns.load();
             push(std::move(chunk));
         }
@@ -148,10 +254,11 @@ public:
     }
 
     void write_loop() {
+        AimedTimer timer((int64_t) (opt_.latency_s * 1e9));
         for (;;) {
             Chunk chunk = pop();
             if (chunk.data.empty()) break;
-            sleep_until(chunk.due_ns);
+            timer.sleep_until_due(chunk.due_ns);
             if (conn_->dead.load()) continue;
             size_t off = 0;
             while (off < chunk.data.size()) {
@@ -161,6 +268,7 @@ public:
                 off += (size_t) n;
             }
             if (off < chunk.data.size()) break;
+            g_accuracy.add(chunk.data.size(), now_ns() - chunk.due_ns, chunk.stamp_lag_ns);
         }
         // the source ended (or the destination failed): close both ways, which also ends the
         // opposite direction's reader
@@ -310,6 +418,10 @@ void control_loop(Faults & faults, Registry & registry) {
             faults.extra_ns.store((int64_t) (std::strtod(arg.c_str(), nullptr) * 1e6));
         } else if (word == "reset") {
             registry.reset_all();
+        } else if (word == "stats") {
+            std::printf("DGR-NETSIM-OK %s\n", g_accuracy.report().c_str());
+            std::fflush(stdout);
+            continue;
         } else {
             std::printf("DGR-NETSIM-ERROR unknown command %s\n", word.c_str());
             std::fflush(stdout);

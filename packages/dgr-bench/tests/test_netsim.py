@@ -55,6 +55,34 @@ def test_latency_is_added_each_way_and_bytes_arrive_intact(echo: str) -> None:
         link.stop()
 
 
+def test_small_messages_leave_on_time_and_never_early(echo: str) -> None:
+    """What bench-wan's floors assume: a decode-sized message crosses in `latency`, not one
+    thread wake-up or timer oversleep later, and never sooner (the writers aim their timers early
+    by their own oversleep; an aim too eager would shorten the link)."""
+    latency_ms = 5
+    link = start_link(echo, latency_ms=latency_ms, control=True)
+    try:
+        host, port = link.address.rsplit(":", 1)
+        rtts = []
+        with socket.create_connection((host, int(port))) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for i in range(30):
+                t0 = time.perf_counter()
+                s.sendall(b"%04d" % i)
+                got = b""
+                while len(got) < 4:
+                    got += s.recv(16)
+                rtts.append(time.perf_counter() - t0)
+                assert got == b"%04d" % i
+        stats = link.stats()
+        assert stats["small_chunks"] == 60  # 30 each way
+        assert min(rtts) >= 2 * latency_ms / 1000  # each way at least the latency
+        assert stats["small_late_p10_us"] >= -20  # hardly any chunk leaves before it is due
+        assert stats["small_late_p50_us"] < 1000  # and most within a millisecond after
+    finally:
+        link.stop()
+
+
 def test_bandwidth_is_limited(echo: str) -> None:
     link = start_link(echo, latency_ms=0, mbps=1.0)
     try:

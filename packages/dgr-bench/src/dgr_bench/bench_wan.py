@@ -55,13 +55,19 @@ def hops(mode: str, n_stages: int) -> int:
 
 @contextmanager
 def linked(
-    addresses: list[str], latency_ms: float, mbps: float | None = None
+    addresses: list[str],
+    latency_ms: float,
+    mbps: float | None = None,
+    accuracy: list[dict[str, float]] | None = None,
 ) -> Iterator[list[str]]:
     """A simulated link in front of each address; yields the links' addresses, to be reached
-    through by the coordinator and the other stages alike."""
-    links = [start_link(a, latency_ms, mbps) for a in addresses]
+    through by the coordinator and the other stages alike. With `accuracy`, each link's
+    `LinkProcess.stats` is appended to it when the block ends."""
+    links = [start_link(a, latency_ms, mbps, control=accuracy is not None) for a in addresses]
     try:
         yield [link.address for link in links]
+        if accuracy is not None:
+            accuracy.extend(link.stats() for link in links)
     finally:
         for link in links:
             link.stop()
@@ -147,7 +153,8 @@ def wan(
         row: dict[str, Any] = {}
         for name, (mode, fleet) in routes.items():
             n_hops = hops(mode, len(fleet))
-            rounds = paired_through_links(engine, fleet, latency, mode)
+            accuracy: list[dict[str, float]] = []
+            rounds = paired_through_links(engine, fleet, latency, mode, accuracy)
             computes += [c for c, _ in rounds]
             floors = [c + n_hops * latency / 1000 for c, _ in rounds]
             seconds = statistics.median(s for _, s in rounds)
@@ -160,6 +167,12 @@ def wan(
                 "of_floor": round(
                     statistics.median(f / s for f, (_, s) in zip(floors, rounds, strict=True)), 3
                 ),
+                # how late the links delivered decode-sized chunks against their due time (the
+                # median over the links of each one's percentile): the floor takes them as on time
+                "link_late_us": {
+                    q: statistics.median(a[f"small_late_{q}_us"] for a in accuracy)
+                    for q in ("p10", "p50", "p90")
+                },
             }
         procs, servers = rpc_servers(with_rpc / "ggml-rpc-server", 2, threads)
         try:
@@ -182,7 +195,8 @@ def wan(
                 f"    {threads}t {name:<20} {r['decode_tps']:6.1f} tok/s  "
                 f"floor {r['floor_tps']:6.1f} "
                 f"({r['hops']} hops)  {r['of_floor']:.2f} of floor  "
-                f"{r['over_rpc_2servers']:.2f}x RPC",
+                f"{r['over_rpc_2servers']:.2f}x RPC  links late "
+                f"{r['link_late_us']['p50']:.0f}/{r['link_late_us']['p90']:.0f} us (p50/p90)",
                 flush=True,
             )
     rows["compute_ms_per_token"] = round(statistics.median(computes) * 1000, 3)
@@ -191,11 +205,15 @@ def wan(
 
 
 def paired_through_links(
-    engine: Any, workers: list[WorkerProcess], latency_ms: float, mode: str
+    engine: Any,
+    workers: list[WorkerProcess],
+    latency_ms: float,
+    mode: str,
+    accuracy: list[dict[str, float]] | None = None,
 ) -> list[tuple[float, float]]:
     """(compute, route) seconds per decode token, ROUNDS times: the engine in this process and
-    the route through delayed links, back to back in each round."""
-    with linked([w.address for w in workers], latency_ms) as addresses:
+    the route through delayed links, back to back in each round (`accuracy`: see `linked`)."""
+    with linked([w.address for w in workers], latency_ms, accuracy=accuracy) as addresses:
         route = Route.open(addresses, timeout=120, mode=mode, peers=addresses)
         try:
             out = []

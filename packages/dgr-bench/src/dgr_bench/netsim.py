@@ -17,7 +17,16 @@ Faults for chaos runs, as lines on the proxy's stdin (`LinkProcess.fault`):
 - `reset`: every open connection is closed with an RST on both sides;
 - `corrupt N`: flip one byte in each of the next N chunks of at least 1 KiB (boundaries) that
   pass toward the upstream;
-- `delay MS`: add MS to the one-way latency (a spike; `delay 0` ends it).
+- `delay MS`: add MS to the one-way latency (a spike; `delay 0` ends it);
+- `stats`: the link's accuracy so far (`LinkProcess.stats`).
+
+A chunk is due `latency` after the kernel received it (its SO_TIMESTAMPNS stamp), not after the
+proxy's reader woke for it, and each writer aims its timer early by the least of its recent
+oversleeps: the reader's wake-up (tens of microseconds on this VM, more beside busy stages) and
+the timer's (about 23 us at 1 ms, 85 us at 10 ms) then stay off the link. Measured behind a 3-stage
+route at 1 ms per link, 2 threads, 8 interleaved rounds against the proxy before: 0.94-0.99x the
+time per token (median 0.97), decode-sized chunks leaving 16-45 us after their due time (median),
+none early.
 """
 
 from __future__ import annotations
@@ -49,6 +58,19 @@ class LinkProcess:
         answer = self.proc.stdout.readline()
         if not answer.startswith("DGR-NETSIM-OK"):
             raise RuntimeError(f"netsim did not apply {command!r}: {answer!r}")
+
+    def stats(self) -> dict[str, float]:
+        """The link's accuracy so far: how late it delivered chunks against their due time
+        (percentiles in us, `small_` for chunks under 8 KiB, a decode step's), and the reader's
+        mean wake-up after the bytes arrived (`stamp_lag_mean_us`, kept off the link's delay by
+        the kernel's receive timestamp). Only for links started with `control=True`."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("stats\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer.startswith("DGR-NETSIM-OK "):
+            raise RuntimeError(f"netsim gave no stats: {answer!r}")
+        return {k: float(v) for k, v in (f.split("=", 1) for f in answer.split()[1:])}
 
     def stop(self) -> None:
         self.proc.terminate()
