@@ -52,25 +52,24 @@ class LinkProcess:
     def fault(self, command: str) -> None:
         """Turn a fault on or off (`blackhole on`, `reset`, `corrupt 1`, `delay 200`); returns
         once the proxy has applied it. Only for links started with `control=True`."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline()
-        if not answer.startswith("DGR-NETSIM-OK"):
-            raise RuntimeError(f"netsim did not apply {command!r}: {answer!r}")
+        self._ask(command)
 
     def stats(self) -> dict[str, float]:
         """The link's accuracy so far: how late it delivered chunks against their due time
         (percentiles in us, `small_` for chunks under 8 KiB, a decode step's), and the reader's
         mean wake-up after the bytes arrived (`stamp_lag_mean_us`, kept off the link's delay by
         the kernel's receive timestamp). Only for links started with `control=True`."""
+        return {k: float(v) for k, v in (f.split("=", 1) for f in self._ask("stats").split()[1:])}
+
+    def _ask(self, command: str) -> str:
+        """One control command and the proxy's answer (`DGR-NETSIM-OK ...`)."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write("stats\n")
+        self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline()
-        if not answer.startswith("DGR-NETSIM-OK "):
-            raise RuntimeError(f"netsim gave no stats: {answer!r}")
-        return {k: float(v) for k, v in (f.split("=", 1) for f in answer.split()[1:])}
+        if not answer.startswith("DGR-NETSIM-OK"):
+            raise RuntimeError(f"netsim did not apply {command!r}: {answer!r}")
+        return answer
 
     def stop(self) -> None:
         self.proc.terminate()
