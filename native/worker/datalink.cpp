@@ -9,6 +9,8 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -296,8 +298,7 @@ private:
 
 void keep_alive(const std::shared_ptr<FrameConn> & conn) { Heartbeats::get().add(conn); }
 
-Listener::Listener(const std::string & address, int keepalive_ms, uint64_t max_payload)
-    : keepalive_ms_(keepalive_ms), max_payload_(max_payload) {
+Listener::Listener(const std::string & address, ListenerLimits limits) : limits_(limits) {
     std::string host, port;
     if (!split_address(address, &host, &port)) throw std::invalid_argument("--listen: not HOST:PORT: " + address);
     addrinfo hints{};
@@ -311,11 +312,11 @@ Listener::Listener(const std::string & address, int keepalive_ms, uint64_t max_p
     std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> list(found, freeaddrinfo);
     std::string why = "no address";
     for (addrinfo * ai = found; ai; ai = ai->ai_next) {
-        const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
         if (fd < 0) continue;
         int one = 1;
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-        if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 128) == 0) {
+        if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, SOMAXCONN) == 0) {
             sockaddr_storage bound{};
             socklen_t len = sizeof(bound);
             getsockname(fd, (sockaddr *) &bound, &len);
@@ -330,75 +331,207 @@ Listener::Listener(const std::string & address, int keepalive_ms, uint64_t max_p
     throw std::invalid_argument("--listen: cannot listen on " + address + ": " + why);
 }
 
+namespace {
+
+// HTTP/2's connection preface, which a gRPC client sends first
+constexpr char kHttp2Preface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+constexpr size_t kHttp2PrefaceLen = sizeof(kHttp2Preface) - 1;
+
+}  // namespace
+
+Opening classify_opening(const uint8_t * bytes, size_t n, uint32_t max_hello, std::string * why) {
+    if (n == 0) return Opening::wait;
+    if (bytes[0] == (uint8_t) kDataMagic[0]) {
+        const size_t m = std::min(n, sizeof(kDataMagic));
+        if (std::memcmp(bytes, kDataMagic, m) != 0) {
+            *why = "not the data magic DGR1";
+            return Opening::refuse;
+        }
+        if (n < sizeof(kDataMagic) + kFrameHeader) return Opening::wait;
+        dgr::v1::DataFrame kind{};
+        uint32_t length = 0;
+        if (Status st = decode_frame_header(bytes + sizeof(kDataMagic), max_hello, &kind, &length); !st.ok()) {
+            *why = st.error_message() + " (before authentication)";
+            return Opening::refuse;
+        }
+        if (kind != dgr::v1::DATA_FRAME_HELLO) {
+            *why = "data stream: a " + dgr::v1::DataFrame_Name(kind) + " frame before its HELLO";
+            return Opening::refuse;
+        }
+        return n < sizeof(kDataMagic) + kFrameHeader + length ? Opening::wait : Opening::data;
+    }
+    const size_t m = std::min(n, kHttp2PrefaceLen);
+    if (std::memcmp(bytes, kHttp2Preface, m) != 0) {
+        *why = "neither a data stream nor HTTP/2";
+        return Opening::refuse;
+    }
+    return n < kHttp2PrefaceLen ? Opening::wait : Opening::grpc;
+}
+
+// a connection the event loop holds until its first bytes classify it
+struct Listener::Pending {
+    int fd;
+    std::chrono::steady_clock::time_point deadline;
+};
+
 Listener::~Listener() { stop(std::chrono::milliseconds(2000)); }
 
 void Listener::start(grpc::Server * server, OnData on_data) {
     server_ = server;
     on_data_ = std::move(on_data);
-    acceptor_ = std::thread([this] { accept_loop(); });
-    pthread_setname_np(acceptor_.native_handle(), "dgr-accept");
+    epoll_ = ::epoll_create1(EPOLL_CLOEXEC);
+    wake_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (epoll_ < 0 || wake_ < 0) throw std::runtime_error(errno_text("listener: epoll"));
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd_;
+    ::epoll_ctl(epoll_, EPOLL_CTL_ADD, fd_, &ev);
+    ev.data.fd = wake_;
+    ::epoll_ctl(epoll_, EPOLL_CTL_ADD, wake_, &ev);
+    loop_ = std::thread([this] { event_loop(); });
+    pthread_setname_np(loop_.native_handle(), "dgr-accept");
 }
 
-void Listener::accept_loop() {
-    for (;;) {
-        const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-        if (stopping_.load()) {
-            if (fd >= 0) ::close(fd);
-            return;
+void Listener::event_loop() {
+    // pending connections in the order they came, which is also their deadlines' order; a
+    // settled one leaves a -1 behind, swept from the front
+    std::vector<Pending> pending;
+    size_t front = 0, waiting = 0;
+    std::vector<uint8_t> peek(sizeof(kDataMagic) + kFrameHeader + std::max<size_t>(limits_.max_hello, kHttp2PrefaceLen));
+    std::vector<epoll_event> events(256);
+    auto drop = [&](Pending & p) {
+        ::epoll_ctl(epoll_, EPOLL_CTL_DEL, p.fd, nullptr);
+        ::close(p.fd);
+        p.fd = -1;
+        --waiting;
+    };
+    auto sweep = [&] {
+        while (front < pending.size() && pending[front].fd < 0) ++front;
+        if (front > 1024 && front * 2 > pending.size()) {  // compact now and then
+            pending.erase(pending.begin(), pending.begin() + (std::ptrdiff_t) front);
+            front = 0;
         }
-        if (fd < 0) {
-            if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE) {
-                if (errno == EMFILE || errno == ENFILE) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    };
+    while (!stopping_.load()) {
+        sweep();
+        int timeout = -1;
+        if (front < pending.size()) {
+            const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(pending[front].deadline -
+                                                                                    std::chrono::steady_clock::now());
+            timeout = (int) std::max<int64_t>(0, left.count() + 1);
+        }
+        const int n = ::epoll_wait(epoll_, events.data(), (int) events.size(), timeout);
+        if (n < 0 && errno != EINTR) break;
+        for (int i = 0; i < n; ++i) {
+            const int fd = events[(size_t) i].data.fd;
+            if (fd == wake_) continue;
+            if (fd == fd_) {
+                for (;;) {  // everything the kernel queued
+                    const int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+                    if (c < 0) {
+                        if (errno == EINTR || errno == ECONNABORTED) continue;
+                        if ((errno == EMFILE || errno == ENFILE) && waiting > 0) {
+                            sweep();
+                            drop(pending[front]);  // the oldest unclassified one makes room
+                            continue;
+                        }
+                        if (errno == EMFILE || errno == ENFILE) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+                        break;
+                    }
+                    send_at_once(c);  // every connection it accepts, classified or not yet
+                    if (waiting >= limits_.max_pending) {
+                        sweep();
+                        drop(pending[front]);
+                    }
+                    epoll_event ev{};
+                    ev.events = EPOLLIN | EPOLLRDHUP | EPOLLET;  // edge: peeked bytes do not wake it again
+                    ev.data.fd = c;
+                    if (::epoll_ctl(epoll_, EPOLL_CTL_ADD, c, &ev) != 0) {
+                        ::close(c);
+                        continue;
+                    }
+                    pending.push_back(Pending{c, std::chrono::steady_clock::now() + limits_.hello_timeout});
+                    ++waiting;
+                }
                 continue;
             }
-            return;
+            if (examine(fd, events[(size_t) i].events, peek)) {
+                // settled: forget it (its place in `pending` is found by fd, newest last)
+                for (size_t k = pending.size(); k-- > front;) {
+                    if (pending[k].fd == fd) {
+                        pending[k].fd = -1;
+                        --waiting;
+                        break;
+                    }
+                }
+            }
         }
-        std::lock_guard<std::mutex> lock(mutex_);
-        ++live_;
-        std::thread([this, fd] { classify(fd); }).detach();
+        const auto now = std::chrono::steady_clock::now();
+        for (size_t k = front; k < pending.size() && pending[k].deadline <= now; ++k) {
+            if (pending[k].fd >= 0) drop(pending[k]);  // silent or too slow: closed
+        }
+    }
+    for (size_t k = front; k < pending.size(); ++k) {
+        if (pending[k].fd >= 0) ::close(pending[k].fd);
     }
 }
 
-void Listener::classify(int fd) {
-    // the first four bytes: "DGR1" opens a data stream, anything else is gRPC (HTTP/2's preface)
-    char head[sizeof(kDataMagic)] = {};
-    size_t got = 0;
-    bool data = true;
-    while (got < sizeof(head) && data) {
-        pollfd p{fd, POLLIN, 0};
-        if (::poll(&p, 1, keepalive_ms_) != 1) break;  // silent: dropped
-        const ssize_t r = ::recv(fd, head, sizeof(head), MSG_PEEK);
-        if (r <= 0) break;
-        got = (size_t) r;
-        data = std::memcmp(head, kDataMagic, got) == 0;
-        if (got < sizeof(head) && data) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+bool Listener::examine(int fd, uint32_t events, std::vector<uint8_t> & peek) {
+    const ssize_t r = ::recv(fd, peek.data(), peek.size(), MSG_PEEK | MSG_DONTWAIT);
+    std::string why;
+    Opening kind = Opening::refuse;
+    if (r > 0) {
+        kind = classify_opening(peek.data(), (size_t) r, limits_.max_hello, &why);
+        // the peer closed (or broke) the connection before it said enough: it will say no more
+        if (kind == Opening::wait && (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR))) kind = Opening::refuse;
+    } else if (r < 0 && (errno == EAGAIN || errno == EINTR)) {
+        kind = (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) ? Opening::refuse : Opening::wait;
     }
-    std::shared_ptr<FrameConn> conn;
-    if (!stopping_.load() && got > 0 && !data) {
-        // gRPC owns the socket from here, and reads it without blocking. Its own listener would
-        // have set TCP_NODELAY: without it, Nagle held a reply (a token to the coordinator) while
-        // an earlier segment was unacknowledged, until the client's delayed ACK, 30-40 ms
-        send_at_once(fd);
-        ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
-        grpc::AddInsecureChannelFromFd(server_, fd);
-    } else if (!stopping_.load() && got == sizeof(head) && data) {
-        ::recv(fd, head, sizeof(head), 0);
-        conn = std::make_shared<FrameConn>(fd, keepalive_ms_, max_payload_);
-    } else {
+    if (kind == Opening::wait) return false;
+    ::epoll_ctl(epoll_, EPOLL_CTL_DEL, fd, nullptr);
+    hand_over(fd, kind);
+    return true;
+}
+
+void Listener::hand_over(int fd, Opening kind) {
+    if (stopping_.load() || kind == Opening::refuse) {
         ::close(fd);
+        return;
     }
-    if (conn) {
-        {
-            std::lock_guard<std::mutex> lock(mutex_);
-            streams_.erase(std::remove_if(streams_.begin(), streams_.end(),
-                                          [](const std::weak_ptr<FrameConn> & w) { return w.expired(); }),
-                           streams_.end());
-            streams_.push_back(conn);
-        }
-        keep_alive(conn);
-        on_data_(conn);
-        conn.reset();
+    if (kind == Opening::grpc) {
+        // gRPC owns the socket from here, and reads it without blocking. Its own listener would
+        // have set TCP_NODELAY (set at accept): without it, Nagle held a reply (a token to the
+        // coordinator) while an earlier segment was unacknowledged, until the client's delayed ACK
+        grpc::AddInsecureChannelFromFd(server_, fd);
+        return;
     }
+    char magic[sizeof(kDataMagic)];
+    ::recv(fd, magic, sizeof(magic), MSG_DONTWAIT);  // peeked already: the HELLO follows, whole
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    auto conn = std::make_shared<FrameConn>(fd, limits_.keepalive_ms, limits_.max_payload);
+    std::unique_lock<std::mutex> lock(mutex_);
+    if ((size_t) live_ >= limits_.max_streams) {
+        lock.unlock();
+        dgr::v1::DataEnd end;  // a small frame into an empty socket buffer: it does not block
+        end.set_code((int32_t) StatusCode::RESOURCE_EXHAUSTED);
+        end.set_message("this worker serves " + std::to_string(limits_.max_streams) +
+                        " data streams at once (--max-data-streams); try again later");
+        conn->send(dgr::v1::DATA_FRAME_END, &end);
+        return;
+    }
+    ++live_;
+    streams_.erase(std::remove_if(streams_.begin(), streams_.end(),
+                                  [](const std::weak_ptr<FrameConn> & w) { return w.expired(); }),
+                   streams_.end());
+    streams_.push_back(conn);
+    lock.unlock();
+    std::thread([this, conn]() mutable { serve(std::move(conn)); }).detach();
+}
+
+void Listener::serve(std::shared_ptr<FrameConn> conn) {
+    keep_alive(conn);
+    on_data_(conn);
+    conn.reset();
     std::lock_guard<std::mutex> lock(mutex_);
     --live_;
     idle_cv_.notify_all();
@@ -406,9 +539,14 @@ void Listener::classify(int fd) {
 
 void Listener::stop(std::chrono::milliseconds grace) {
     if (fd_ < 0 || stopping_.exchange(true)) return;
-    ::shutdown(fd_, SHUT_RDWR);  // ends accept()
-    if (acceptor_.joinable()) acceptor_.join();
+    if (loop_.joinable()) {
+        const uint64_t one = 1;
+        if (::write(wake_, &one, sizeof(one)) < 0) { /* the loop also sees stopping_ on its next wake */ }
+        loop_.join();
+    }
     ::close(fd_);
+    if (epoll_ >= 0) ::close(epoll_);
+    if (wake_ >= 0) ::close(wake_);
     // streams in flight finish within the grace; the rest are cut
     std::unique_lock<std::mutex> lock(mutex_);
     if (idle_cv_.wait_for(lock, grace, [this] { return live_ == 0; })) return;

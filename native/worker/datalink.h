@@ -7,7 +7,8 @@
 //
 // - Listener: the worker's port. It tells a data stream ("DGR1") from a gRPC connection by its
 //   first bytes and hands the latter to the gRPC server, so one address serves both and whatever
-//   stands in front of it (a proxy, a port forward) carries both.
+//   stands in front of it (a proxy, a port forward) carries both. Connections wait in one event
+//   loop, bounded in count, bytes and time, until they are classified (ListenerLimits).
 // - FrameConn: one connected stream; frames in and out, heartbeats (ALIVE) sent for it by one
 //   thread of the process, and a peer that sent nothing for keepalive x 1.5 dropped.
 // - connect_data: the connecting side (DataLink in forwarding.h).
@@ -84,13 +85,31 @@ std::unique_ptr<FrameConn> connect_data(const std::string & address, const dgr::
 // keepalive. Streams are held weakly; the thread starts with the first one.
 void keep_alive(const std::shared_ptr<FrameConn> & conn);
 
+// What a connection may do before the worker serves it. Until then it costs a socket and a
+// place in the listener's one event loop, never a thread: it must send the data magic and a
+// HELLO frame of at most max_hello bytes, or HTTP/2's preface (gRPC), within hello_timeout, else
+// it is closed; one that closes or stalls part-way is dropped as soon as the kernel says so.
+struct ListenerLimits {
+    int keepalive_ms = 10000;
+    uint64_t max_payload = 128ull << 20;       // a frame's payload, once served
+    uint32_t max_hello = 4096;                 // bytes of HELLO payload before authentication
+    std::chrono::milliseconds hello_timeout{5000};
+    size_t max_pending = 1024;                 // connections not yet classified; past it the oldest goes
+    size_t max_streams = 64;                   // data streams served at once; past it refused (END)
+};
+
+// How a connection's first bytes classify it (pure: the listener's decision, testable alone)
+enum class Opening { wait, data, grpc, refuse };
+Opening classify_opening(const uint8_t * bytes, size_t n, uint32_t max_hello, std::string * why);
+
 // The worker's port (plaintext): accepts connections, passes gRPC ones to the server and data
-// streams to on_data (on a thread of their own, as gRPC's sync server gives each call one).
+// streams to on_data, each served stream on a thread of its own (as gRPC's sync server gives
+// each call one), at most limits.max_streams at once.
 class Listener {
 public:
     using OnData = std::function<void(std::shared_ptr<FrameConn>)>;
     // binds HOST:PORT ([V6]:PORT; port 0 picks one); throws std::invalid_argument when it cannot
-    Listener(const std::string & address, int keepalive_ms, uint64_t max_payload);
+    Listener(const std::string & address, ListenerLimits limits);
     ~Listener();  // stop()
     int port() const { return port_; }
     void start(grpc::Server * server, OnData on_data);
@@ -98,19 +117,22 @@ public:
     void stop(std::chrono::milliseconds grace);
 
 private:
-    void accept_loop();
-    void classify(int fd);
+    struct Pending;
+    void event_loop();
+    void accept_all(std::vector<Pending> & pending);
+    bool examine(int fd, uint32_t events, std::vector<uint8_t> & peek);  // true: settled (gone from the loop)
+    void hand_over(int fd, Opening kind);
+    void serve(std::shared_ptr<FrameConn> conn);
 
-    int fd_ = -1, port_ = 0;
-    const int keepalive_ms_;
-    const uint64_t max_payload_;
+    int fd_ = -1, port_ = 0, epoll_ = -1, wake_ = -1;
+    const ListenerLimits limits_;
     grpc::Server * server_ = nullptr;
     OnData on_data_;
-    std::thread acceptor_;
+    std::thread loop_;
     std::atomic<bool> stopping_{false};
     std::mutex mutex_;
     std::condition_variable idle_cv_;
-    int live_ = 0;  // threads classifying or serving a connection
+    int live_ = 0;  // threads serving a data stream
     std::vector<std::weak_ptr<FrameConn>> streams_;
 };
 

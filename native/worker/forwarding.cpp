@@ -1,5 +1,11 @@
 #include "forwarding.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <atomic>
 #include <chrono>
 #include <optional>
 
@@ -10,11 +16,12 @@ constexpr auto kCloseGrace = std::chrono::seconds(2);
 }
 
 Peers::Peers(PeerOptions options) : options_(std::move(options)) {
-    if (options_.ca.empty()) {
+    if (!options_.ca.empty()) options_.tls = true;
+    if (!options_.tls) {
         creds_ = grpc::InsecureChannelCredentials();
     } else {
         grpc::SslCredentialsOptions ssl;
-        ssl.pem_root_certs = options_.ca;
+        ssl.pem_root_certs = options_.ca;  // empty: the system's trust store
         ssl.pem_private_key = options_.key;
         ssl.pem_cert_chain = options_.cert;
         creds_ = grpc::SslCredentials(ssl);
@@ -33,6 +40,61 @@ std::shared_ptr<grpc::Channel> Peers::connect(const std::string & address) const
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     return grpc::CreateCustomChannel(address, creds_, args);
 }
+
+bool loopback_address(const std::string & address) {
+    if (address.rfind("unix:", 0) == 0) return true;
+    const auto colon = address.rfind(':');
+    if (colon == std::string::npos) return false;
+    std::string host = address.substr(0, colon);
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    if (host.empty()) return false;
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo * found = nullptr;
+    if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0) return false;
+    bool all = found != nullptr;
+    for (addrinfo * ai = found; ai; ai = ai->ai_next) {
+        if (ai->ai_family == AF_INET) {
+            const uint32_t a = ntohl(((const sockaddr_in *) ai->ai_addr)->sin_addr.s_addr);
+            all = all && (a >> 24) == 127;
+        } else if (ai->ai_family == AF_INET6) {
+            all = all && IN6_IS_ADDR_LOOPBACK(&((const sockaddr_in6 *) ai->ai_addr)->sin6_addr);
+        } else {
+            all = false;
+        }
+    }
+    freeaddrinfo(found);
+    return all;
+}
+
+grpc::Status Peers::check_link(const std::string & address) const {
+    if (options_.tls || options_.token.empty() || loopback_address(address)) return grpc::Status::OK;
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "the link to " + address + " is not TLS and leaves this host: the bearer token is "
+                        "never sent in clear (start the workers with --tls-cert/--tls-key and --peer-ca)");
+}
+
+namespace {
+
+// a link that was refused before any byte went out: its first write reports why, once
+class RefusedLink final : public Downstream, public TokenReturn {
+public:
+    RefusedLink(dgr::v1::StageError error, Peers::OnError on_error) : error_(std::move(error)), on_error_(std::move(on_error)) {}
+    bool write(const dgr::v1::ForwardRequest &) override { return refuse(); }
+    bool write(const dgr::v1::ForwardReply &) override { return refuse(); }
+
+private:
+    bool refuse() {
+        if (!reported_.exchange(true)) on_error_(error_);
+        return false;
+    }
+    const dgr::v1::StageError error_;
+    Peers::OnError on_error_;
+    std::atomic<bool> reported_{false};
+};
+
+}  // namespace
 
 void Peers::prepare(grpc::ClientContext & ctx) const {
     if (!options_.token.empty()) ctx.AddMetadata("authorization", "Bearer " + options_.token);
@@ -111,11 +173,17 @@ LoopLink::~LoopLink() {
 }
 
 std::unique_ptr<Downstream> Peers::downstream(const std::string & address, uint32_t stage, OnError on_error) {
+    if (grpc::Status st = check_link(address); !st.ok()) {
+        return std::make_unique<RefusedLink>(stage_error(stage, address, st), std::move(on_error));
+    }
     if (data_links()) return std::make_unique<DataLink>(*this, address, dgr::v1::DATA_STREAM_FORWARD, stage, std::move(on_error));
     return std::make_unique<DownstreamLink>(*this, address, stage, std::move(on_error));
 }
 
 std::unique_ptr<TokenReturn> Peers::token_return(const std::string & address, OnError on_error) {
+    if (grpc::Status st = check_link(address); !st.ok()) {
+        return std::make_unique<RefusedLink>(stage_error(0, address, st), std::move(on_error));
+    }
     if (data_links()) return std::make_unique<DataLink>(*this, address, dgr::v1::DATA_STREAM_LOOP, 0, std::move(on_error));
     return std::make_unique<LoopLink>(*this, address);  // a failed write is reported by the tail
 }

@@ -20,9 +20,15 @@
 namespace dgr::worker {
 
 struct PeerOptions {
-    std::string ca;            // PEM: verify peers' certificates (TLS when set)
+    // TLS to every peer: set where the worker serves TLS itself (--tls-cert) or was given a CA for
+    // its peers. A worker that has TLS speaks nothing else to its peers, verifying them with `ca`,
+    // or with the system's trust store where `ca` is empty
+    bool tls = false;
+    std::string ca;            // PEM: verify peers' certificates
     std::string cert, key;     // PEM: this worker's certificate, presented to peers requiring mTLS
-    std::string token;         // bearer token sent to peers (a route shares one)
+    // bearer token sent to peers (a route shares one): only over TLS, or in clear to a peer on
+    // this host's loopback; a link that would carry it in clear off the host is refused
+    std::string token;
     uint64_t max_message_bytes = 64ull << 20;
     int keepalive_ms = 10000;  // ping an idle link this often; dead after another half of it
     bool data_links = true;    // plaintext peers: data streams (datalink.h); false: gRPC calls
@@ -48,7 +54,9 @@ public:
     std::shared_ptr<grpc::Channel> connect(const std::string & address) const;
     void prepare(grpc::ClientContext & ctx) const;  // credentials on a call
     const PeerOptions & options() const { return options_; }
-    bool data_links() const { return options_.data_links && options_.ca.empty(); }
+    bool data_links() const { return options_.data_links && !options_.tls; }
+    // OK, or why a link to `address` may not be opened: the token would cross it in clear
+    grpc::Status check_link(const std::string & address) const;
 
     // the link to the next stage (index `stage`) and the tail's link back to the head; a broken
     // link is reported once through on_error, naming the stage it leads to
@@ -61,6 +69,9 @@ private:
 };
 
 dgr::v1::StageError stage_error(uint32_t stage, const std::string & address, const grpc::Status & status);
+
+// whether every address HOST:PORT resolves to is this host's loopback (unix sockets count)
+bool loopback_address(const std::string & address);
 
 // Forward mode's link to the next stage. The stage's thread writes; a failure is reported once
 // through on_error: an error the next stage relays from further down as soon as it arrives, else

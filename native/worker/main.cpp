@@ -49,6 +49,7 @@ struct Args {
     bool warmup = true;
     int keepalive_ms = dgr::worker::kKeepaliveMs;  // every link, both sides
     bool data_links = true;  // forward mode's links to plaintext peers: data streams (else gRPC calls)
+    int max_data_streams = 0;  // data streams served at once (0: 4 per session slot + 16)
     std::string compute_slots = "auto";  // a directory, "auto" or "none"
     bool pin = true;  // each forward's compute threads on the cores of its compute slot (slots.h)
     std::string metrics_listen;          // HOST:PORT for /metrics and /metrics.json (empty: off)
@@ -140,6 +141,7 @@ void parse_args(int argc, char ** argv, Args & a) {
             a.data_links = v == "data";
         }
         else if (k == "--metrics-listen") a.metrics_listen = val();
+        else if (k == "--max-data-streams") a.max_data_streams = to_int(k, val(), 1, 65536);
         else if (k == "--auth-token-file") {
             std::string token = read_file(val(), k);
             while (!token.empty() && (token.back() == '\n' || token.back() == '\r' || token.back() == ' ')) token.pop_back();
@@ -240,7 +242,7 @@ int main(int argc, char ** argv) {
                      "  [--draft-part-rows 0|2-64]\n"
                      "  [--model-fingerprint HEX] [--recipe-id ID] [--drain-seconds N] [--version]\n"
                      "  [--poll 0-100] [--prio auto|0-3] [--rollback 0-64] [--gpu-layers N|-1] [--no-warmup] [--compute-slots DIR|auto|none] [--pin on|off] [--mtp] [--auth-token-file F]\n"
-                     "  [--metrics-listen HOST:PORT] [--links data|grpc]\n"
+                     "  [--metrics-listen HOST:PORT] [--links data|grpc] [--max-data-streams N]\n"
                      "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F] [--keepalive-ms N]\n";
         return 2;
     }
@@ -288,10 +290,12 @@ int main(int argc, char ** argv) {
         std::cerr << "dgr-shard-worker: " << e.what() << "\n";
         return 2;
     }
-    // peers (the next stage, the head) are reached with this worker's own credentials
+    // peers (the next stage, the head) are reached with this worker's own credentials: a worker
+    // that serves TLS reaches them over TLS only (its token never crosses a plaintext link)
     dgr::worker::PeerOptions peers;
     peers.ca = args.peer_ca.empty() ? args.tls_client_ca : args.peer_ca;
-    if (!peers.ca.empty()) {
+    peers.tls = !args.tls_cert.empty() || !peers.ca.empty();
+    if (peers.tls) {
         peers.cert = args.tls_cert;
         peers.key = args.tls_key;
     }
@@ -337,7 +341,14 @@ int main(int argc, char ** argv) {
     const bool own_listener = args.tls_cert.empty() && args.listen.rfind("unix", 0) != 0;
     if (own_listener) {
         try {
-            listener = std::make_unique<dgr::worker::Listener>(args.listen, args.keepalive_ms, max_bytes * 2);
+            dgr::worker::ListenerLimits limits;
+            limits.keepalive_ms = args.keepalive_ms;
+            limits.max_payload = max_bytes * 2;
+            // a session holds at most a FORWARD stream in and a LOOP stream (the head): headroom
+            // beyond that for streams of sessions that are ending while new ones start
+            limits.max_streams = args.max_data_streams > 0 ? (size_t) args.max_data_streams
+                                                           : (size_t) args.max_sessions * 4 + 16;
+            listener = std::make_unique<dgr::worker::Listener>(args.listen, limits);
         } catch (const std::invalid_argument & e) {
             std::cerr << "dgr-shard-worker: " << e.what() << "\n";
             return 4;

@@ -99,6 +99,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         # 0 is a value here (the worker's default off the CPU lane is all layers)
         *(["--gpu-layers", str(args.gpu_layers)] if args.gpu_layers is not None else []),
         *(["--mtp"] if args.mtp else []),
+        *(
+            ["--max-data-streams", str(args.max_data_streams)]
+            if args.max_data_streams is not None
+            else []
+        ),
         "--links",
         args.links,
     ]
@@ -301,6 +306,14 @@ def register_worker(sub: Any) -> None:
         help="forward mode's links to plaintext peers: framed TCP streams on the workers' own "
         "ports (data, the default) or gRPC calls (TLS peers always use gRPC)",
     )
+    p.add_argument(
+        "--max-data-streams",
+        type=int,
+        default=None,
+        metavar="N",
+        help="data streams the worker serves at once; past it a stream is refused "
+        "(default: 4 per session slot + 16)",
+    )
     p.add_argument("--tls-cert", type=Path, help="PEM server certificate (serve TLS)")
     p.add_argument("--tls-key", type=Path, help="PEM key of the server certificate")
     p.add_argument(
@@ -315,8 +328,9 @@ def register_worker(sub: Any) -> None:
     p.add_argument(
         "--peer-ca",
         type=Path,
-        help="PEM CA that signed the other workers' certificates (default: --tls-client-ca); the "
-        "worker reaches its next stage and the head with its own certificate and token",
+        help="PEM CA that signed the other workers' certificates (default: --tls-client-ca, else "
+        "the system's trust store); a worker with --tls-cert reaches its next stage and the head "
+        "over TLS only, with its own certificate and token",
     )
     p.set_defaults(func=cmd_worker)
 

@@ -316,6 +316,8 @@ class Route:
         check_draft(draft, mode)
         stages = []
         for i, address in enumerate(addresses):
+            if (why := security.cleartext_refusal(address)) is not None:
+                raise RouteError(i, address, why, grpc.StatusCode.FAILED_PRECONDITION)
             channel = security.channel(address)
             stub = pb_grpc.ShardServiceStub(channel)  # type: ignore[no-untyped-call]  # generated
             try:

@@ -4,6 +4,8 @@ they were started with `--auth-token-file`. Secrets are read from files, never f
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +57,21 @@ class Security:
             token=token,
         )
 
+    def cleartext_refusal(self, address: str) -> str | None:
+        """Why a channel to `address` may not be opened (None: it may): the bearer token would
+        cross a link that is not TLS and leaves this host. The workers enforce the same rule on
+        their own links to each other."""
+        if self.token is None or self.ca is not None or loopback_address(address):
+            return None
+        return (
+            f"the link to {address} is not TLS and leaves this host: the bearer token is never "
+            "sent in clear (give the CA that signed the workers' certificates)"
+        )
+
     def channel(self, address: str) -> grpc.Channel:
+        """A channel to `address`; CleartextCredential where the token would travel in clear."""
+        if (why := self.cleartext_refusal(address)) is not None:
+            raise CleartextCredential(why)
         if self.ca is None:
             return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         creds = grpc.ssl_channel_credentials(
@@ -66,6 +82,26 @@ class Security:
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+class CleartextCredential(ValueError):
+    """A credential would cross a plaintext link off this host."""
+
+
+def loopback_address(address: str) -> bool:
+    """Whether every address HOST:PORT resolves to is this host's loopback (unix sockets count);
+    an address that does not resolve is not."""
+    if address.startswith("unix:"):
+        return True
+    host, _, _port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host:
+        return False
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    return bool(found) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in found)
 
 
 PLAIN = Security()
