@@ -201,6 +201,14 @@ def soak(session: nox.Session) -> None:
     session.run("python", "-m", "dgr_cert.soak", *session.posargs)
 
 
+@nox.session(name="conn-flood", python=False)
+def conn_flood(session: nox.Session) -> None:
+    """10,000 unauthenticated connections held against a worker while a route generates: the
+    worker's threads and RSS stay bounded, the tokens equal an undisturbed run, an
+    authenticated client is served; evidence/bench/conn-flood.json."""
+    session.run("python", "-m", "dgr_cert.conn_flood", *session.posargs)
+
+
 @nox.session(python=False)
 def fuzz(session: nox.Session) -> None:
     """libFuzzer (ASan, UBSan) over the worker's request path and the range-ownership GGUF load:
