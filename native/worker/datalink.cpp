@@ -48,7 +48,10 @@ void tune(int fd, int keepalive_ms) {
     setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &timeout, sizeof(timeout));
 }
 
-// HOST:PORT or [V6]:PORT
+std::string errno_text(const char * what) { return std::string(what) + ": " + std::strerror(errno); }
+
+}  // namespace
+
 bool split_address(const std::string & address, std::string * host, std::string * port) {
     const auto colon = address.rfind(':');
     if (colon == std::string::npos || colon + 1 == address.size()) return false;
@@ -57,10 +60,6 @@ bool split_address(const std::string & address, std::string * host, std::string 
     if (host->size() >= 2 && host->front() == '[' && host->back() == ']') *host = host->substr(1, host->size() - 2);
     return !host->empty();
 }
-
-std::string errno_text(const char * what) { return std::string(what) + ": " + std::strerror(errno); }
-
-}  // namespace
 
 Status decode_frame_header(const uint8_t * header, uint64_t max_payload, dgr::v1::DataFrame * kind, uint32_t * length) {
     const uint32_t n = (uint32_t) header[0] | (uint32_t) header[1] << 8 | (uint32_t) header[2] << 16 |

@@ -34,6 +34,9 @@ namespace dgr::worker {
 constexpr char kDataMagic[4] = {'D', 'G', 'R', '1'};
 constexpr size_t kFrameHeader = 5;  // uint32 little-endian payload length, one DataFrame byte
 
+// HOST:PORT or [V6]:PORT into its host (brackets dropped) and port; false when it is neither
+bool split_address(const std::string & address, std::string * host, std::string * port);
+
 // a frame's header, checked: a known kind and a payload of at most max_payload bytes
 grpc::Status decode_frame_header(const uint8_t * header, uint64_t max_payload, dgr::v1::DataFrame * kind,
                                  uint32_t * length);

@@ -43,11 +43,8 @@ std::shared_ptr<grpc::Channel> Peers::connect(const std::string & address) const
 
 bool loopback_address(const std::string & address) {
     if (address.rfind("unix:", 0) == 0) return true;
-    const auto colon = address.rfind(':');
-    if (colon == std::string::npos) return false;
-    std::string host = address.substr(0, colon);
-    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-    if (host.empty()) return false;
+    std::string host, port;
+    if (!split_address(address, &host, &port)) return false;
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
