@@ -19,6 +19,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <stdexcept>
+#include <system_error>
 #include <vector>
 
 namespace dgr::worker {
@@ -338,32 +339,21 @@ constexpr size_t kHttp2PrefaceLen = sizeof(kHttp2Preface) - 1;
 
 }  // namespace
 
-Opening classify_opening(const uint8_t * bytes, size_t n, uint32_t max_hello, std::string * why) {
+Opening classify_opening(const uint8_t * bytes, size_t n, uint32_t max_hello) {
     if (n == 0) return Opening::wait;
     if (bytes[0] == (uint8_t) kDataMagic[0]) {
         const size_t m = std::min(n, sizeof(kDataMagic));
-        if (std::memcmp(bytes, kDataMagic, m) != 0) {
-            *why = "not the data magic DGR1";
-            return Opening::refuse;
-        }
+        if (std::memcmp(bytes, kDataMagic, m) != 0) return Opening::refuse;  // not the data magic
         if (n < sizeof(kDataMagic) + kFrameHeader) return Opening::wait;
         dgr::v1::DataFrame kind{};
         uint32_t length = 0;
-        if (Status st = decode_frame_header(bytes + sizeof(kDataMagic), max_hello, &kind, &length); !st.ok()) {
-            *why = st.error_message() + " (before authentication)";
-            return Opening::refuse;
-        }
-        if (kind != dgr::v1::DATA_FRAME_HELLO) {
-            *why = "data stream: a " + dgr::v1::DataFrame_Name(kind) + " frame before its HELLO";
-            return Opening::refuse;
-        }
+        // a frame header that does not decode, a HELLO over max_hello, another frame before it
+        if (!decode_frame_header(bytes + sizeof(kDataMagic), max_hello, &kind, &length).ok()) return Opening::refuse;
+        if (kind != dgr::v1::DATA_FRAME_HELLO) return Opening::refuse;
         return n < sizeof(kDataMagic) + kFrameHeader + length ? Opening::wait : Opening::data;
     }
     const size_t m = std::min(n, kHttp2PrefaceLen);
-    if (std::memcmp(bytes, kHttp2Preface, m) != 0) {
-        *why = "neither a data stream nor HTTP/2";
-        return Opening::refuse;
-    }
+    if (std::memcmp(bytes, kHttp2Preface, m) != 0) return Opening::refuse;  // neither protocol
     return n < kHttp2PrefaceLen ? Opening::wait : Opening::grpc;
 }
 
@@ -477,10 +467,9 @@ void Listener::event_loop() {
 
 bool Listener::examine(int fd, uint32_t events, std::vector<uint8_t> & peek) {
     const ssize_t r = ::recv(fd, peek.data(), peek.size(), MSG_PEEK | MSG_DONTWAIT);
-    std::string why;
     Opening kind = Opening::refuse;
     if (r > 0) {
-        kind = classify_opening(peek.data(), (size_t) r, limits_.max_hello, &why);
+        kind = classify_opening(peek.data(), (size_t) r, limits_.max_hello);
         // the peer closed (or broke) the connection before it said enough: it will say no more
         if (kind == Opening::wait && (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR))) kind = Opening::refuse;
     } else if (r < 0 && (errno == EAGAIN || errno == EINTR)) {
@@ -524,7 +513,13 @@ void Listener::hand_over(int fd, Opening kind) {
                    streams_.end());
     streams_.push_back(conn);
     lock.unlock();
-    std::thread([this, conn]() mutable { serve(std::move(conn)); }).detach();
+    try {
+        std::thread([this, conn]() mutable { serve(std::move(conn)); }).detach();
+    } catch (const std::system_error &) {  // no thread to be had: the stream goes, and its count
+        lock.lock();
+        --live_;
+        idle_cv_.notify_all();
+    }
 }
 
 void Listener::serve(std::shared_ptr<FrameConn> conn) {

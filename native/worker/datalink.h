@@ -103,7 +103,7 @@ struct ListenerLimits {
 
 // How a connection's first bytes classify it (pure: the listener's decision, testable alone)
 enum class Opening { wait, data, grpc, refuse };
-Opening classify_opening(const uint8_t * bytes, size_t n, uint32_t max_hello, std::string * why);
+Opening classify_opening(const uint8_t * bytes, size_t n, uint32_t max_hello);
 
 // The worker's port (plaintext): accepts connections, passes gRPC ones to the server and data
 // streams to on_data, each served stream on a thread of its own (as gRPC's sync server gives
