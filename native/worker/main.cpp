@@ -46,6 +46,9 @@ struct Args {
     // owned layers on the lane's device: all of them (-1) on a build of another lane than the CPU
     int gpu_layers = std::string(dgr::build_info().lane) == "cpu" ? 0 : -1;
     bool mtp = false;  // the tail serves the MTP (nextn) block and drafts with it
+    int cache_sessions = -1;      // prefix reuse: finished sessions kept (-1: max_sessions)
+    uint64_t cache_bytes = 0;     // and the most KV they hold (0: no bound but the count)
+    bool batch_invariant = true;  // --kernels invariant (default) or stock
     bool warmup = true;
     int keepalive_ms = dgr::worker::kKeepaliveMs;  // every link, both sides
     bool data_links = true;  // forward mode's links to plaintext peers: data streams (else gRPC calls)
@@ -76,6 +79,23 @@ int to_int(const std::string & option, const std::string & value, int lo, int hi
                                     std::to_string(hi) + "]");
     }
     return (int) v;
+}
+
+// a byte count: digits with an optional K, M or G suffix (binary units), at most 1 TiB
+uint64_t parse_bytes(const std::string & option, const std::string & value) {
+    static const std::string kSuffixes = "KMG";
+    std::string digits = value;
+    int shift = 0;
+    if (!digits.empty() && kSuffixes.find(digits.back()) != std::string::npos) {
+        shift = 10 * (int) (kSuffixes.find(digits.back()) + 1);
+        digits.pop_back();
+    }
+    const bool ok = !digits.empty() && digits.size() <= 13 && std::all_of(digits.begin(), digits.end(), ::isdigit);
+    const uint64_t v = ok ? std::stoull(digits) << shift : 0;
+    if (!ok || v > (1ull << 40) || (shift > 0 && (v >> shift) != std::stoull(digits))) {
+        throw std::invalid_argument(option + ": " + value + " is not a byte count (digits, then K, M or G) up to 1T");
+    }
+    return v;
 }
 
 // NAME@HEX as dgr_artifacts.recipe.Recipe.id makes it: at most 128 characters of [A-Za-z0-9._@-]
@@ -128,6 +148,13 @@ void parse_args(int argc, char ** argv, Args & a) {
         else if (k == "--rollback") a.rollback = to_int(k, val(), 0, 64);
         else if (k == "--gpu-layers") a.gpu_layers = to_int(k, val(), -1, 4096);
         else if (k == "--mtp") a.mtp = true;
+        else if (k == "--prefix-cache-sessions") a.cache_sessions = to_int(k, val(), 0, 4096);
+        else if (k == "--prefix-cache-bytes") a.cache_bytes = parse_bytes(k, val());
+        else if (k == "--kernels") {
+            const std::string v = val();
+            if (v != "invariant" && v != "stock") throw std::invalid_argument("--kernels: invariant or stock, not " + v);
+            a.batch_invariant = v == "invariant";
+        }
         else if (k == "--no-warmup") a.warmup = false;
         else if (k == "--compute-slots") a.compute_slots = val();
         else if (k == "--pin") {
@@ -243,6 +270,7 @@ int main(int argc, char ** argv) {
                      "  [--model-fingerprint HEX] [--recipe-id ID] [--drain-seconds N] [--version]\n"
                      "  [--poll 0-100] [--prio auto|0-3] [--rollback 0-64] [--gpu-layers N|-1] [--no-warmup] [--compute-slots DIR|auto|none] [--pin on|off] [--mtp] [--auth-token-file F]\n"
                      "  [--metrics-listen HOST:PORT] [--links data|grpc] [--max-data-streams N]\n"
+                     "  [--prefix-cache-sessions N] [--prefix-cache-bytes N[K|M|G]] [--kernels invariant|stock]\n"
                      "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F] [--keepalive-ms N]\n";
         return 2;
     }
@@ -275,6 +303,9 @@ int main(int argc, char ** argv) {
         o.rollback = args.rollback;
         o.gpu_layers = args.gpu_layers;
         o.load_mtp = args.mtp;
+        o.batch_invariant = args.batch_invariant;
+        o.cache_sessions = args.cache_sessions < 0 ? args.max_sessions : std::min(args.cache_sessions, args.max_sessions);
+        o.cache_bytes = args.cache_bytes;
         engine = dgr::ShardEngine::open(o);
         if (args.warmup) {  // a compute like any other: in a slot
             dgr::worker::ComputeSlots slots(args.service.compute_slots_dir, args.service.compute_slots,

@@ -154,6 +154,41 @@ Metrics::Metrics(LiveState live)
                     .Help("Resident memory of the worker process, measured (as Prometheus' process collectors name it)")
                     .Register(*registry_)
                     .Add({})),
+      cached_sessions_(prometheus::BuildGauge()
+                    .Name("dgr:prefix_cache_sessions")
+                    .Help("Finished sessions this stage keeps for prefix reuse (worker --prefix-cache-sessions)")
+                    .Register(*registry_)
+                    .Add({})),
+      cached_tokens_(prometheus::BuildGauge()
+                    .Name("dgr:prefix_cache_tokens")
+                    .Help("Tokens the kept sessions hold")
+                    .Register(*registry_)
+                    .Add({})),
+      cached_bytes_(prometheus::BuildGauge()
+                    .Name("dgr:prefix_cache_bytes")
+                    .Help("KV the kept sessions hold (worker --prefix-cache-bytes bounds it)")
+                    .Register(*registry_)
+                    .Add({})),
+      cache_hits_(prometheus::BuildCounter()
+                    .Name("dgr:prefix_cache_hits_total")
+                    .Help("Sessions that started from a kept one (prefix reuse)")
+                    .Register(*registry_)
+                    .Add({})),
+      cache_misses_(prometheus::BuildCounter()
+                    .Name("dgr:prefix_cache_misses_total")
+                    .Help("Sessions that asked to start from a kept one and found none")
+                    .Register(*registry_)
+                    .Add({})),
+      cache_reused_tokens_(prometheus::BuildCounter()
+                    .Name("dgr:prefix_cache_reused_tokens_total")
+                    .Help("Prompt tokens prefix reuse did not compute")
+                    .Register(*registry_)
+                    .Add({})),
+      cache_evictions_(prometheus::BuildCounter()
+                    .Name("dgr:prefix_cache_evictions_total")
+                    .Help("Kept sessions dropped for room (LRU)")
+                    .Register(*registry_)
+                    .Add({})),
       forward_latency_(prometheus::BuildHistogram()
                            .Name("dgr:forward_latency_seconds")
                            .Help("Time a forward's turn on the engine took")
@@ -204,6 +239,17 @@ void Metrics::refresh() {
     sessions_.Set((double) live_.sessions());
     waiting_.Set((double) live_.queue_depth());
     kv_usage_.Set(live_.kv_capacity ? (double) live_.kv_tokens() / (double) live_.kv_capacity : 0.0);
+    if (live_.cache) {
+        const dgr::CacheStats c = live_.cache();
+        cached_sessions_.Set((double) c.sessions);
+        cached_tokens_.Set((double) c.tokens);
+        cached_bytes_.Set((double) c.bytes);
+        cache_hits_.Increment((double) (c.hits - cache_seen_.hits));
+        cache_misses_.Increment((double) (c.misses - cache_seen_.misses));
+        cache_reused_tokens_.Increment((double) (c.reused_tokens - cache_seen_.reused_tokens));
+        cache_evictions_.Increment((double) (c.evictions - cache_seen_.evictions));
+        cache_seen_ = c;
+    }
     // /proc/self/statm: size and resident, in pages
     std::ifstream statm("/proc/self/statm");
     uint64_t size = 0, resident = 0;

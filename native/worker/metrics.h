@@ -5,6 +5,8 @@
 // the live state (never behind a compute); the hot path only increments and observes.
 #pragma once
 
+#include "dgr/shard_engine.h"
+
 #include <grpcpp/grpcpp.h>
 #include <prometheus/counter.h>
 #include <prometheus/family.h>
@@ -26,6 +28,7 @@ struct LiveState {
     std::function<size_t()> sessions;     // sessions holding a slot
     std::function<size_t()> queue_depth;  // forwards in flight (computing or waiting)
     std::function<size_t()> kv_tokens;    // tokens cached over all sessions
+    std::function<dgr::CacheStats()> cache;  // prefix reuse: the kept finished sessions
     size_t max_sessions = 0;
     size_t kv_capacity = 0;               // n_ctx per session x max_sessions
     // the engine's own memory breakdown for this range (what the estimator predicts)
@@ -77,6 +80,15 @@ private:
     prometheus::Gauge & waiting_;
     prometheus::Gauge & kv_usage_;
     prometheus::Gauge & resident_;
+    // prefix reuse: gauges of what is kept now, counters advanced to the engine's totals at scrape
+    prometheus::Gauge & cached_sessions_;
+    prometheus::Gauge & cached_tokens_;
+    prometheus::Gauge & cached_bytes_;
+    prometheus::Counter & cache_hits_;
+    prometheus::Counter & cache_misses_;
+    prometheus::Counter & cache_reused_tokens_;
+    prometheus::Counter & cache_evictions_;
+    dgr::CacheStats cache_seen_;  // the totals the counters show
     prometheus::Histogram & forward_latency_;
     prometheus::Histogram & queue_time_;
     prometheus::Histogram & batch_width_;

@@ -198,7 +198,8 @@ ShardService::ShardService(std::unique_ptr<dgr::ShardEngine> engine, ServiceOpti
                [this](size_t width) { metrics_.turn(width); }),
       metrics_(LiveState{[this] { return engine_->session_count(); },
                          [this] { return (size_t) std::max(0, in_flight_.load()); },
-                         [this] { return engine_->kv_tokens(); }, (size_t) desc_.max_sessions,
+                         [this] { return engine_->kv_tokens(); }, [this] { return engine_->cache_stats(); },
+                         (size_t) desc_.max_sessions,
                          (size_t) desc_.n_ctx * (size_t) desc_.max_sessions, desc_.model_buffer_bytes, desc_.kv_bytes,
                          desc_.compute_bytes}) {}
 
@@ -245,6 +246,9 @@ Status ShardService::Describe(grpc::ServerContext * ctx, const dgr::v1::Describe
     reply->set_max_message_bytes(options_.max_message_bytes);
     reply->set_max_rollback((uint32_t) desc_.max_rollback);
     reply->set_mtp(desc_.mtp);
+    reply->set_prefix_cache_sessions((uint32_t) desc_.cache_sessions);
+    reply->set_prefix_cache_bytes(desc_.cache_bytes);
+    reply->set_batch_invariant(desc_.batch_invariant);
     return Status::OK;
 }
 
@@ -257,6 +261,7 @@ Status ShardService::Health(grpc::ServerContext * ctx, const dgr::v1::HealthRequ
     reply->set_capacity((uint32_t) std::max<int64_t>(0, desc_.max_sessions - (int64_t) sessions));
     reply->set_queue_depth((uint32_t) std::max(0, in_flight_.load()));
     reply->set_widest_batch((uint32_t) batcher_.widest());
+    reply->set_cached_sessions((uint32_t) engine_->cache_stats().sessions);
     return Status::OK;
 }
 
@@ -544,6 +549,7 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
                         step.clear_token_ids();
                         step.clear_stop_ids();
                         step.clear_draft();
+                        step.mutable_expect()->set_reuse(false);  // the session is here now
                         step.set_chunk_index(0);
                         costs_key = route_costs_key(route, ev.req.draft().source());
                         head_s = draft_costs_.get(costs_key).head;

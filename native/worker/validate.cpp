@@ -110,6 +110,17 @@ Status validate_route(const dgr::v1::RouteSpec & route, const dgr::Description &
     return Status::OK;
 }
 
+uint64_t route_lineage(const dgr::v1::RouteSpec & route) {
+    uint64_t h = dgr::kPrefixHashSeed;
+    for (uint32_t i = 0; i <= route.stage_index() && i < (uint32_t) route.stages_size(); ++i) {
+        for (unsigned char c : route.stages((int) i) + "\n") {
+            h ^= c;
+            h *= 0x100000001B3ull;
+        }
+    }
+    return h == 0 ? 1 : h;
+}
+
 Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Description & desc, DecodedForward * out) {
     const auto & exp = req.expect();
     const int n_tok_ids = req.token_ids_size();
@@ -157,6 +168,14 @@ Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Descriptio
     fr.epoch = exp.epoch();
     fr.n_past = (int32_t) exp.n_past();
     fr.truncate = exp.truncate();
+    fr.reuse = exp.reuse();
+    if (req.has_route()) fr.lineage = route_lineage(req.route());
+    if (exp.reuse()) {
+        if (!req.has_route()) return invalid("expect.reuse: prefix reuse is a forward-mode field, on a request without route");
+        if (exp.n_past() < 1 || exp.prefix_hash() == 0 || n_tok_ids < 1) {
+            return invalid("expect.reuse: needs the reused prefix's n_past (> 0) and prefix_hash, and the token ids after it");
+        }
+    }
     fr.logits_all = req.n_draft() > 0;  // the tail verifies every drafted position
     fr.verify = req.n_draft() > 0;
     if (req.draft().source() == dgr::v1::DRAFT_SOURCE_MTP) {

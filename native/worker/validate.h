@@ -44,6 +44,10 @@ inline bool is_step_part(const dgr::v1::ForwardRequest & req) {
 // forward mode: a route that names this stage at its place ([first, last) decides head and tail)
 grpc::Status validate_route(const dgr::v1::RouteSpec & route, const dgr::Description & desc);
 
+// prefix reuse: FNV-1a 64 over the addresses of the route's stages up to the receiving one, what
+// computed this stage's input (never 0): a kept session serves only requests of the same lineage
+uint64_t route_lineage(const dgr::v1::RouteSpec & route);
+
 // the first value in a boundary payload that is not finite (NaN or infinity), or -1
 int64_t first_non_finite(const void * data, dgr::DType dtype, int64_t n);
 

@@ -69,12 +69,32 @@ public:
         out["model_buffer_bytes"] = d.model_buffer_bytes;
         out["kv_bytes"] = d.kv_bytes;
         out["compute_bytes"] = d.compute_bytes;
+        out["batch_invariant"] = d.batch_invariant;
+        out["cache_sessions"] = d.cache_sessions;
+        out["cache_bytes"] = d.cache_bytes;
+        out["kv_bytes_per_token"] = d.kv_bytes_per_token;
+        return out;
+    }
+
+    py::dict cache_stats() const {
+        const dgr::CacheStats c = engine_->cache_stats();
+        py::dict out;
+        out["sessions"] = c.sessions;
+        out["tokens"] = c.tokens;
+        out["bytes"] = c.bytes;
+        out["hits"] = c.hits;
+        out["misses"] = c.misses;
+        out["reused_tokens"] = c.reused_tokens;
+        out["evictions"] = c.evictions;
         return out;
     }
 
     py::array forward(uint64_t session, uint64_t epoch, int32_t n_past, py::object tokens, py::object boundary,
-                      bool logits_all, const std::string & out_dtype, bool truncate, uint64_t prefix_hash, bool mtp) {
+                      bool logits_all, const std::string & out_dtype, bool truncate, uint64_t prefix_hash, bool mtp,
+                      bool reuse, uint64_t lineage) {
         dgr::ForwardRequest req;
+        req.reuse = reuse;
+        req.lineage = lineage;
         req.mtp = mtp;
         req.session = session;
         req.epoch = epoch;
@@ -168,7 +188,8 @@ PYBIND11_MODULE(_dgr_engine, m) {
     py::class_<PyEngine>(m, "Engine")
         .def(py::init([](const std::string & model_path, int32_t layer_first, int32_t layer_last, int32_t n_threads,
                          int32_t n_ctx, int32_t n_batch, int32_t max_sessions, int32_t poll, bool load_mtp,
-                         bool estimate_only, int32_t gpu_layers) {
+                         bool estimate_only, int32_t gpu_layers, bool batch_invariant, int32_t cache_sessions,
+                         uint64_t cache_bytes) {
                  dgr::EngineOptions o;
                  o.model_path = model_path;
                  o.layer_first = layer_first;
@@ -181,17 +202,22 @@ PYBIND11_MODULE(_dgr_engine, m) {
                  o.load_mtp = load_mtp;
                  o.gpu_layers = gpu_layers;
                  o.estimate_only = estimate_only;
+                 o.batch_invariant = batch_invariant;
+                 o.cache_sessions = cache_sessions;
+                 o.cache_bytes = cache_bytes;
                  return std::make_unique<PyEngine>(o);
              }),
              py::arg("model_path"), py::arg("layer_first") = 0, py::arg("layer_last") = -1, py::arg("n_threads") = 2,
              py::arg("n_ctx") = 2048, py::arg("n_batch") = 512, py::arg("max_sessions") = 4,
              py::arg("poll") = 50, py::arg("load_mtp") = false, py::arg("estimate_only") = false,
-             py::arg("gpu_layers") = 0)
+             py::arg("gpu_layers") = 0, py::arg("batch_invariant") = true, py::arg("cache_sessions") = 0,
+             py::arg("cache_bytes") = 0)
         .def("describe", &PyEngine::describe)
         .def("forward", &PyEngine::forward, py::arg("session"), py::arg("epoch"), py::arg("n_past"),
              py::arg("tokens") = py::none(), py::arg("boundary") = py::none(), py::arg("logits_all") = false,
              py::arg("out_dtype") = "f32", py::arg("truncate") = false,
-             py::arg("prefix_hash") = 0, py::arg("mtp") = false)
+             py::arg("prefix_hash") = 0, py::arg("mtp") = false, py::arg("reuse") = false, py::arg("lineage") = 0)
+        .def("cache_stats", &PyEngine::cache_stats)
         .def("draft_mtp", &PyEngine::draft_mtp, py::arg("session"), py::arg("n_keep"), py::arg("token"),
              py::arg("max_draft"))
         .def("release", &PyEngine::release_session, py::arg("session"))

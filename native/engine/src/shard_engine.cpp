@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstring>
 #include <fstream>
+#include <list>
 #include <map>
 #include <mutex>
 #include <pthread.h>
@@ -252,6 +253,7 @@ struct Session {
     llama_seq_id seq = -1;
     uint64_t epoch = 0;
     int32_t n_past = 0;
+    uint64_t lineage = 0;  // prefix reuse: what computed its input (ForwardRequest.lineage)
     // prefix hashes of the cached tokens, hashes[i] after i of them (what a truncation to i
     // restores); empty once a forward came without its token ids, when the hash is unknown
     std::vector<uint64_t> hashes{kPrefixHashSeed};
@@ -369,6 +371,9 @@ public:
         // not first touches (a no-op for a dry run)
         if (!options.estimate_only) llama_memory_clear(llama_get_memory(ctx_), true);
 
+        if (options.batch_invariant && llama_dgr_set_batch_invariant(ctx_, true) != 0) {
+            throw ShardError(Status::load_failed, "batch_invariant: this build's CPU backend has no batch-invariant switch (patch 0007)");
+        }
         if (options.load_mtp) open_mtp(cparams, shape.mtp_window);
 
         // Stages of a route run one after another and share cores with their neighbours; a
@@ -416,6 +421,10 @@ public:
         }
         // llama_model_size counts every tensor in the file; a shard holds only its own
         desc_.weight_bytes = desc_.model_buffer_bytes;
+        desc_.batch_invariant = options.batch_invariant;
+        desc_.cache_sessions = std::clamp(options.cache_sessions, 0, options.max_sessions);
+        desc_.cache_bytes = options.cache_bytes;
+        desc_.kv_bytes_per_token = desc_.kv_bytes / std::max<uint64_t>(1, (uint64_t) options.n_ctx * options.max_sessions);
         for (int32_t s = options.max_sessions - 1; s >= 0; --s) {
             free_seqs_.push_back(s);
         }
@@ -437,7 +446,7 @@ public:
         std::lock_guard<std::mutex> lock(mutex_);
         auto it = sessions_.find(session);
         if (it == sessions_.end() || it->second.epoch != epoch) return false;
-        drop(session);
+        keep(session);
         rest_if_idle();
         return true;
     }
@@ -468,8 +477,20 @@ public:
         if (it == sessions_.end()) {
             throw ShardError(Status::unknown_session, "no session " + std::to_string(session) + " on this shard");
         }
-        drop(session);
+        keep(session);
         rest_if_idle();
+    }
+
+    CacheStats cache_stats() const override {
+        CacheStats c;
+        c.sessions = kept_count_.load();
+        c.tokens = kept_tokens_.load();
+        c.bytes = c.tokens * desc_.kv_bytes_per_token;
+        c.hits = hits_.load();
+        c.misses = misses_.load();
+        c.reused_tokens = reused_tokens_.load();
+        c.evictions = evictions_.load();
+        return c;
     }
 
     ForwardResult forward(const ForwardRequest & req, DType out_dtype) override {
@@ -839,6 +860,7 @@ private:
         if (mtp_ == nullptr) {
             throw ShardError(Status::capacity, take_or("cannot create the MTP context"));
         }
+        if (options_.batch_invariant) llama_dgr_set_batch_invariant(mtp_, true);
         llama_set_embeddings_nextn(ctx_, true, /*masked=*/false);
         llama_set_embeddings_nextn(mtp_, true, /*masked=*/true);
         if (!options_.estimate_only) llama_memory_clear(llama_get_memory(mtp_), true);
@@ -1011,14 +1033,95 @@ private:
         recount();
     }
 
+    // release: keep the session for prefix reuse where it can serve one (its token history known),
+    // most recent first, within cache_sessions and cache_bytes; else free it
+    void keep(uint64_t session) {
+        auto it = sessions_.find(session);
+        Session & s = it->second;
+        const uint64_t bytes = (uint64_t) s.n_past * desc_.kv_bytes_per_token;
+        if (desc_.cache_sessions < 1 || s.lineage == 0 || s.n_past < 1 || !s.hash_known() || (desc_.cache_bytes > 0 && bytes > desc_.cache_bytes)) {
+            drop(session);
+            return;
+        }
+        // a kept session whose whole history this one starts with serves nothing this one does not
+        for (auto k = kept_.begin(); k != kept_.end();) {
+            const bool covered = k->n_past <= s.n_past && k->hash() == s.hashes[(size_t) k->n_past];
+            k = covered ? evict(k) : std::next(k);
+        }
+        if (mtp_) llama_memory_seq_rm(llama_get_memory(mtp_), s.seq, -1, -1);  // the block re-follows from 0
+        s.mtp = Session::MtpTrail{};
+        kept_.push_front(std::move(s));
+        sessions_.erase(it);
+        while ((int32_t) kept_.size() > desc_.cache_sessions || (desc_.cache_bytes > 0 && kept_tokens() * desc_.kv_bytes_per_token > desc_.cache_bytes)) {
+            evict(std::prev(kept_.end()));
+        }
+        recount();
+    }
+
+    uint64_t kept_tokens() const {
+        uint64_t n = 0;
+        for (const Session & k : kept_) n += (uint64_t) k.n_past;
+        return n;
+    }
+
+    std::list<Session>::iterator evict(std::list<Session>::iterator k) {
+        llama_memory_seq_rm(llama_get_memory(ctx_), k->seq, -1, -1);
+        free_seqs_.push_back(k->seq);
+        evictions_++;
+        auto next = kept_.erase(k);
+        recount();
+        return next;
+    }
+
+    // a new session starting from the most recent kept one that holds its first n_past tokens
+    Session & adopt(const ForwardRequest & req) {
+        const bool positional = desc_.max_rollback >= options_.n_ctx;
+        if (req.n_past < 1 || req.prefix_hash == 0 || req.tokens == nullptr || req.lineage == 0) {
+            throw ShardError(Status::invalid_argument, "reuse: needs n_past > 0, its prefix hash, the token ids and a lineage");
+        }
+        auto k = kept_.begin();
+        for (; k != kept_.end(); ++k) {
+            if (k->lineage == req.lineage && k->n_past >= req.n_past && (positional || k->n_past == req.n_past) &&
+                k->hashes[(size_t) req.n_past] == req.prefix_hash) {
+                break;
+            }
+        }
+        if (k == kept_.end()) {
+            misses_++;
+            throw ShardError(Status::cache_mismatch,
+                             "reuse: no kept session starts with these " + std::to_string(req.n_past) +
+                                 " tokens (never held here, evicted, computed over another route, or another history" +
+                                 std::string(positional ? "" : "; this model's state is cut only where a kept session ends") +
+                                 "): prefill from n_past 0");
+        }
+        if (k->n_past > req.n_past && !llama_memory_seq_rm(llama_get_memory(ctx_), k->seq, req.n_past, -1)) {
+            evict(k);
+            misses_++;
+            throw ShardError(Status::cache_mismatch, "reuse: the kept session could not be cut to " +
+                                                         std::to_string(req.n_past) + " tokens: prefill from n_past 0");
+        }
+        Session s = std::move(*k);
+        kept_.erase(k);
+        s.epoch = req.epoch;
+        s.n_past = req.n_past;
+        s.hashes.resize((size_t) req.n_past + 1);
+        hits_++;
+        reused_tokens_ += (uint64_t) req.n_past;
+        Session & added = sessions_.emplace(req.session, std::move(s)).first->second;
+        recount();
+        return added;
+    }
+
     Session & admit(const ForwardRequest & req) {
         auto it = sessions_.find(req.session);
+        if (it == sessions_.end() && req.reuse) return adopt(req);
         if (it == sessions_.end()) {
             if (req.n_past != 0) {
                 throw ShardError(Status::unknown_session,
                                  "session " + std::to_string(req.session) + " expects n_past " + std::to_string(req.n_past) +
                                      " but this shard holds no cache for it (re-prefill from n_past 0)");
             }
+            if (free_seqs_.empty() && !kept_.empty()) evict(std::prev(kept_.end()));  // the oldest kept
             if (free_seqs_.empty()) {
                 throw ShardError(Status::capacity, "all " + std::to_string(options_.max_sessions) + " session slots are in use");
             }
@@ -1028,6 +1131,7 @@ private:
             s.seq = *lowest;
             free_seqs_.erase(lowest);
             s.epoch = req.epoch;
+            s.lineage = req.lineage;
             llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, -1, -1);
             if (mtp_) llama_memory_seq_rm(llama_get_memory(mtp_), s.seq, -1, -1);
             Session & added = sessions_.emplace(req.session, s).first->second;
@@ -1048,6 +1152,7 @@ private:
             llama_memory_seq_rm(llama_get_memory(ctx_), s.seq, -1, -1);
             if (mtp_) llama_memory_seq_rm(llama_get_memory(mtp_), s.seq, -1, -1);
             s.epoch = req.epoch;
+            s.lineage = req.lineage;
             s.n_past = 0;
             s.hashes.assign(1, kPrefixHashSeed);
             s.mtp = Session::MtpTrail{};
@@ -1131,7 +1236,11 @@ private:
         for (const auto & kv_session : sessions_) kv += (size_t) kv_session.second.n_past;
         n_sessions_.store(sessions_.size());
         n_kv_tokens_.store(kv);
+        kept_count_.store(kept_.size());
+        kept_tokens_.store(kept_tokens());
     }
+    std::list<Session> kept_;  // prefix reuse: released sessions still holding their KV, newest first
+    std::atomic<uint64_t> kept_count_{0}, kept_tokens_{0}, hits_{0}, misses_{0}, reused_tokens_{0}, evictions_{0};
     std::vector<llama_seq_id> free_seqs_;
 };
 

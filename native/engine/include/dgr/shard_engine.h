@@ -86,6 +86,19 @@ struct EngineOptions {
     bool estimate_only = false; // llama.cpp's dry run: describe() reports the memory the range
                                 // would take (weights, KV, compute) without allocating it;
                                 // forward() is refused
+    bool batch_invariant = true;    // batch-invariant CPU kernels (patch 0007): a sequence's values
+                                    // do not depend on the batch it computes in, so a batched step
+                                    // equals its solo step and a suffix prefilled after a reused
+                                    // prefix equals a full prefill, bit for bit (flash attention
+                                    // tiled for every row count, a row's KV never split across
+                                    // threads). false: ggml's stock batch-shaped choice
+    int32_t cache_sessions = 0; // prefix reuse: finished (released) sessions whose KV stays kept,
+                                // least recently used first out, in slots no live session holds
+                                // (a new session takes the oldest kept one's slot when none is
+                                // free); at most max_sessions; 0: none kept
+    uint64_t cache_bytes = 0;   // and at most this much KV among the kept sessions (0: no bound
+                                // but cache_sessions; the KV buffer is allocated whole at open,
+                                // so keeping sessions never grows memory)
 };
 
 struct BoundarySpec {
@@ -115,6 +128,22 @@ struct Description {
     uint64_t model_buffer_bytes = 0;    // buffers holding those weights (llama.cpp's breakdown)
     uint64_t kv_bytes = 0;              // KV cache and other per-layer state of the context
     uint64_t compute_bytes = 0;         // compute buffers reserved for the largest batch
+    bool batch_invariant = false;       // the options' batch_invariant, as in effect
+    int32_t cache_sessions = 0;         // prefix reuse bounds (EngineOptions)
+    uint64_t cache_bytes = 0;
+    uint64_t kv_bytes_per_token = 0;    // KV one cached token takes (kv_bytes over the cells)
+};
+
+// Prefix reuse (EngineOptions.cache_sessions): what the kept finished sessions hold and did.
+// Read without waiting behind a forward.
+struct CacheStats {
+    uint64_t sessions = 0;      // kept now
+    uint64_t tokens = 0;        // their tokens
+    uint64_t bytes = 0;         // their KV (tokens * kv_bytes_per_token)
+    uint64_t hits = 0;          // sessions that started from a kept one
+    uint64_t misses = 0;        // asked to (ForwardRequest.reuse) and found none
+    uint64_t reused_tokens = 0; // tokens those hits did not prefill
+    uint64_t evictions = 0;     // kept sessions dropped for room (slots, cache_sessions, cache_bytes)
 };
 
 // FNV-1a 64 over little-endian int32 token ids, continuing from `h` (start: kPrefixHashSeed):
@@ -140,6 +169,18 @@ struct ForwardRequest {
     bool mtp = false;                   // a tail with the MTP block: keep the block's cache in step
                                         // with this forward (needs the token ids), so that
                                         // draft_mtp can draft after it
+    bool reuse = false;                 // prefix reuse: a session this shard does not hold starts
+                                        // from a kept finished one (cache_sessions) whose first
+                                        // n_past tokens have prefix_hash, cut to those n_past
+                                        // (where the state is positional; elsewhere only a kept
+                                        // session of exactly n_past tokens), and the kept one is
+                                        // gone. None such: cache_mismatch, nothing taken. Needs
+                                        // n_past > 0, prefix_hash, the token ids and a lineage
+    uint64_t lineage = 0;               // prefix reuse: what computed this stage's input (a worker
+                                        // hashes the route's stages up to this one), set when the
+                                        // session opens: a released session is kept only with a
+                                        // lineage, and reused only by a request of the same one
+                                        // (0: never kept; a warm-up's or a relay's session)
     bool verify = false;                // its tokens after the first are drafts to verify. Where
                                         // a row's result depends on the batch it computes in
                                         // (DeepSeek V4: attention and compressors take the
@@ -204,7 +245,9 @@ public:
     // where the block's cache is not in step with the session (a forward came without `mtp`).
     // Drafts are proposals: what the route outputs is decided by verifying them.
     virtual std::vector<int32_t> draft_mtp(uint64_t session, int32_t n_keep, int32_t token, int32_t max_draft) = 0;
-    // Frees the session's cache (unknown_session where there is none). An engine left without
+    // Frees the session's cache (unknown_session where there is none); with cache_sessions, a
+    // session whose token history is known (prefix hashes) is kept for prefix reuse instead,
+    // holding a slot no live session needs. An engine left without
     // sessions (here or by release_epoch) lets its compute threads sleep: between forwards they
     // poll for the next graph (`poll`), which at 50 would go on taking a core for 0.1-0.3 s after
     // the last one; the next forward wakes them.
@@ -213,6 +256,8 @@ public:
     // route change must not drop the newer cache); returns whether it released
     virtual bool release_epoch(uint64_t session, uint64_t epoch) = 0;
     virtual std::vector<uint64_t> sessions() const = 0;
+    // prefix reuse: what the kept sessions hold (EngineOptions.cache_sessions)
+    virtual CacheStats cache_stats() const = 0;
     // sessions holding a slot; never waits behind a forward in progress
     virtual size_t session_count() const = 0;
     // tokens the sessions' caches hold, summed (KV in use); never waits behind a forward

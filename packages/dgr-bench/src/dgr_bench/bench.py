@@ -218,7 +218,7 @@ def time_route(
     peers: list[str] | None = None,
 ) -> dict[str, float]:
     """Median prefill and decode tokens/s of greedy generation over the route at `addresses`."""
-    route = Route.open(addresses, timeout=120, mode=mode, peers=peers)
+    route = Route.open(addresses, timeout=120, mode=mode, peers=peers, prefix_reuse=False)
     try:
         runs = [route_round(route, prompt, decode_tokens) for _ in range(rounds)]
     finally:
@@ -273,7 +273,7 @@ def concurrent_decode(
     ]
     rates: dict[str, float] = {}
     try:
-        route = Route.open([w.address for w in workers], timeout=120)
+        route = Route.open([w.address for w in workers], timeout=120, prefix_reuse=False)
         for n in (1, 2, 4):
             prompts = [[1000 + (i * 7 + 13 * k) % 5000 for i in range(32)] for k in range(n)]
             # forward mode decodes on while its client reads: time whole generations (their
@@ -361,7 +361,9 @@ def paired(
                 )
                 for a, b in even_layout(n_layer, n)
             ]
-            routes[name] = Route.open([w.address for w in fleets[name]], timeout=120)
+            routes[name] = Route.open(
+                [w.address for w in fleets[name]], timeout=120, prefix_reuse=False
+            )
         setups = {
             SINGLE_STOCK: lambda: llama_bench(with_rpc / "llama-bench", model, [], threads, 1),
             SINGLE_LANE: lambda: llama_bench(plain / "llama-bench", model, [], threads, 1),

@@ -214,7 +214,7 @@ def paired_through_links(
     """(compute, route) seconds per decode token, ROUNDS times: the engine in this process and
     the route through delayed links, back to back in each round (`accuracy`: see `linked`)."""
     with linked([w.address for w in workers], latency_ms, accuracy=accuracy) as addresses:
-        route = Route.open(addresses, timeout=120, mode=mode, peers=addresses)
+        route = Route.open(addresses, timeout=120, mode=mode, peers=addresses, prefix_reuse=False)
         try:
             out = []
             for _ in range(ROUNDS):

@@ -104,6 +104,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
             if args.max_data_streams is not None
             else []
         ),
+        *(
+            ["--prefix-cache-sessions", str(args.prefix_cache_sessions)]
+            if args.prefix_cache_sessions is not None
+            else []
+        ),
+        *(["--prefix-cache-bytes", args.prefix_cache_bytes] if args.prefix_cache_bytes else []),
+        "--kernels",
+        args.kernels,
         "--links",
         args.links,
     ]
@@ -298,6 +306,28 @@ def register_worker(sub: Any) -> None:
         "--mtp",
         action="store_true",
         help="the tail also serves the model's MTP (nextn) block and drafts with it (--draft mtp)",
+    )
+    p.add_argument(
+        "--prefix-cache-sessions",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prefix reuse: finished sessions whose KV the worker keeps, least recently used out "
+        "first, in slots no live session needs (default: --max-sessions; 0: none kept)",
+    )
+    p.add_argument(
+        "--prefix-cache-bytes",
+        metavar="N[K|M|G]",
+        help="prefix reuse: the most KV the kept sessions may hold (default: no bound but "
+        "their number; the KV buffer is allocated whole at start, so keeping never grows memory)",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=("invariant", "stock"),
+        default="invariant",
+        help="invariant (default): a sequence's values do not depend on the batch it computes "
+        "in (batched decode equals solo decode, a reused prefix equals a full prefill, bit for "
+        "bit); stock: ggml's batch-shaped kernels",
     )
     p.add_argument(
         "--links",

@@ -238,7 +238,7 @@ def _decode_ms(addresses: list[str], prompt: list[int], decode: int, rounds: int
     """Median ms per decode token of greedy generations through a forward-mode route."""
     from dgr_route.route import Route
 
-    route = Route.open(addresses, timeout=120, mode="forward", peers=addresses)
+    route = Route.open(addresses, timeout=120, mode="forward", peers=addresses, prefix_reuse=False)
     try:
         per_token = []
         for _ in range(rounds):

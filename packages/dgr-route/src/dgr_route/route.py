@@ -32,6 +32,7 @@ from dgr.v1 import shard_pb2_grpc as pb_grpc
 from dgr_wire.codec import BY_NAME, FNV_OFFSET, chunks, decode_logits, prefix_hash
 from dgr_wire.ranges import LayerRange
 
+from dgr_route.prefixes import PrefixIndex
 from dgr_route.security import PLAIN, Security
 
 # what every stage of a route must agree on. The lane is not among them: stages of one route may
@@ -51,9 +52,10 @@ COMPAT_FIELDS = (
 
 MODES = ("forward", "relay")
 # Generated tokens replayed after a route change go in batches of at most this many tokens. The
-# original run decoded them one at a time; on the CPU lane a batch of up to 62 tokens gives logits
-# bitwise equal to one-at-a-time decoding and 64 do not (batch shape selects other kernels), so
-# larger batches could change the continuation. test_replay_batches_equal_decode_steps pins it.
+# original run decoded them one at a time; with the engine's batch-invariant kernels (the
+# default) any batch gives the same bits, but with ggml's stock ones (worker --kernels stock) a
+# batch of up to 62 tokens does and 64 do not (batch shape selects other kernels), so larger
+# batches could change the continuation. test_replay_batches_equal_decode_steps pins both.
 REPLAY_BATCH = 32
 # forward mode: the head streams tokens at most this often, the ones between in one reply; every
 # reply wakes this process, and its threads would take CPU from a stage computing on the same
@@ -156,12 +158,14 @@ class Draft:
 
 @dataclass
 class DraftUsage:
-    """What speculative decoding did in one generation: drafts verified, drafts accepted and
-    the verified steps (route trips) that produced the tokens."""
+    """What one generation did: drafts verified, drafts accepted and the verified steps (route
+    trips) that produced the tokens (speculative decoding), and the prompt tokens the stages
+    did not compute because they kept them from an earlier generation (prefix reuse)."""
 
     drafted: int = 0
     accepted: int = 0
     replies: int = 0
+    cached_tokens: int = 0
 
 
 class _Stream:
@@ -274,6 +278,10 @@ class Route:
     peers: list[str] = field(default_factory=list)
     token_interval_ms: int = TOKEN_INTERVAL_MS  # forward mode (0: every token in its own reply)
     draft: Draft = field(default_factory=Draft)  # forward mode: speculative decoding
+    # forward mode: start a generation from the longest history an earlier one left on the
+    # stages (prefixes.py); False: every generation prefills from n_past 0
+    prefix_reuse: bool = True
+    prefixes: PrefixIndex = field(init=False, default_factory=PrefixIndex)
     n_layer: int = field(init=False)
     wire: SeamTraffic = field(init=False)  # relay mode: what crossed the seams through here
     # generations not yet ended (close ends them)
@@ -309,6 +317,7 @@ class Route:
         peers: list[str] | None = None,
         token_interval_ms: int = TOKEN_INTERVAL_MS,
         draft: Draft | None = None,
+        prefix_reuse: bool = True,
     ) -> Route:
         check_wire_dtype(wire_dtype)  # before connecting to anything
         check_mode(mode)
@@ -337,7 +346,16 @@ class Route:
                 raise RouteError(
                     stage.index, stage.address, f"does not accept a {wire_dtype} boundary"
                 )
-        return cls(stages, timeout, wire_dtype, mode, list(peers or []), token_interval_ms, draft)
+        return cls(
+            stages,
+            timeout,
+            wire_dtype,
+            mode,
+            list(peers or []),
+            token_interval_ms,
+            draft,
+            prefix_reuse,
+        )
 
     def close(self) -> None:
         """End the route's generations still open (each frees its session on the stages, as it
@@ -419,8 +437,31 @@ class Route:
         chunk = min(s.describe.max_tokens_per_message for s in self.stages)
         plan = prefill_plan(len(history), chunk, prompt_len)
         if self.mode == "forward":
+            usage = usage or DraftUsage()
+            # (a drafting route prefills in full: prompt lookup drafts from the prefill's tokens,
+            # and the tail's MTP block follows a session from its first token)
+            reusing = self.prefix_reuse and not self.draft.on and max_tokens > 0
+            reuse = self.prefixes.take(history) if reusing else 0
+            if reuse:
+                reused = self._run_forward(
+                    session, epoch, history, plan, max_tokens, sampling, stop, usage, reuse
+                )
+                try:
+                    first = next(reused, None)
+                except RouteError as err:
+                    # a stage no longer holds the prefix (evicted, restarted): nothing was taken;
+                    # prefill from n_past 0, under a session id of its own so that no stage can
+                    # still be ending the refused one under this id
+                    if err.code != grpc.StatusCode.FAILED_PRECONDITION:
+                        raise
+                    session = secrets.randbits(63)
+                else:
+                    if first is not None:
+                        yield first
+                        yield from reused
+                    return
             yield from self._run_forward(
-                session, epoch, history, plan, max_tokens, sampling, stop, usage or DraftUsage()
+                session, epoch, history, plan, max_tokens, sampling, stop, usage
             )
             return
         streams = [_Stream(s, self.timeout) for s in self.stages]
@@ -466,12 +507,23 @@ class Route:
         sampling: Sampling,
         stop: set[int] | None,
         usage: DraftUsage,
+        reuse: int = 0,
     ) -> Generator[pb.TokenResult, None, None]:
+        """`reuse` > 0: the stages start from the first `reuse` tokens of `history`, kept from an
+        earlier generation, and `parts` is replanned over the rest."""
         if max_tokens < 1:
             return
         head = _Stream(self.stages[0], self.timeout)
         spec = pb.RouteSpec(stages=self.peers, stage_index=0)
-        n_past, prefix = 0, FNV_OFFSET
+        n_past, prefix = reuse, prefix_hash(history[:reuse]) if reuse else FNV_OFFSET
+        if reuse:
+            chunk = parts[0].stop - parts[0].start if parts else 1
+            parts = [
+                slice(p.start + reuse, p.stop + reuse)
+                for p in prefill_plan(len(history) - reuse, chunk)
+            ]
+        generated: list[int] = []
+        held = 0  # tokens of history + generated the stages' KV holds, as the last reply says
         try:
             for k, part in enumerate(parts):
                 tokens = history[part]
@@ -479,7 +531,12 @@ class Route:
                 head.send(
                     pb.ForwardRequest(
                         session_id=session,
-                        expect=pb.CacheExpectation(epoch=epoch, n_past=n_past, prefix_hash=prefix),
+                        expect=pb.CacheExpectation(
+                            epoch=epoch,
+                            n_past=n_past,
+                            prefix_hash=prefix,
+                            reuse=reuse > 0 and k == 0,
+                        ),
                         token_ids=tokens,
                         sampling=sampling.message(),
                         boundary_dtype=f"DTYPE_{self.wire_dtype.upper()}",
@@ -495,7 +552,6 @@ class Route:
                 )
                 prefix = prefix_hash(tokens, prefix)
                 n_past += len(tokens)
-            generated = 0
             while True:
                 reply = head.receive(self._stuck)
                 if reply.HasField("error"):
@@ -505,19 +561,26 @@ class Route:
                     raise RouteError(
                         0, self.stages[0].address, "the head sent a reply without a token"
                     )
+                if not generated:
+                    usage.cached_tokens = reuse
                 usage.drafted += reply.drafted
                 usage.accepted += reply.accepted
                 usage.replies += 1
+                held = reply.n_past
                 for token in (reply.token, *reply.more_tokens):
+                    generated.append(int(token.token_id))
                     yield token
-                    generated += 1
-                    if (stop and token.token_id in stop) or generated == max_tokens:
+                    if (stop and token.token_id in stop) or len(generated) == max_tokens:
                         return
         finally:
             # the head stops decoding and ends its stream once every stage after it has ended
-            # its own and freed the session: when this returns, the route holds nothing
+            # its own and freed the session (kept for prefix reuse): when this returns, the
+            # route computes nothing for it
             head.close()
             head.wait_ended(min(self.timeout, 5.0))
+            if self.prefix_reuse and not self.draft.on and held:
+                # what the stages keep: the history and the tokens fed back (all but the last)
+                self.prefixes.put((history + generated)[:held])
 
     def _stuck(self) -> RouteError:
         """No token within the timeout: name the first stage that does not answer Health."""
