@@ -126,8 +126,17 @@ def test_chat_completion_streams_the_same_text(client: openai.OpenAI) -> None:
     pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     assert len([p for p in pieces if p]) > 3
     assert "".join(pieces) == text
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        whole.usage.prompt_tokens,  # type: ignore[union-attr]
+        whole.usage.completion_tokens,  # type: ignore[union-attr]
+    )
     assert all(c.usage is None for c in chunks[:-1])
+    # the same prompt again: the stages kept all of it but its last token (computed for its
+    # logits), and the text is the same bits as the full prefill's
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1  # type: ignore[union-attr]
 
 
 def test_sse_framing_through_curl(client: openai.OpenAI, base: str) -> None:
@@ -444,3 +453,52 @@ def test_drafted_completions_report_accepted_predictions(
     details = got.usage.completion_tokens_details if got.usage else None
     assert details is not None and (details.accepted_prediction_tokens or 0) > 0
     assert details.rejected_prediction_tokens is not None
+
+
+def test_health_answers_with_64_queued_and_a_disconnect_frees_its_slot(
+    route: Route, tokenizer: Tokenizer
+) -> None:
+    """Requests waiting for admission wait on the event loop: /health answers in well under
+    100 ms with 64 of them queued behind one running; a client that goes away mid-stream has its
+    slot passed on within a second; /metrics has the TTFT and per-token histograms."""
+    app = create_app(route, tokenizer, MODEL, max_active=1, max_queue=64)
+    with serving(app) as url:
+        long = {"model": MODEL, "prompt": "Once", "max_tokens": 200, "temperature": 0}
+        short = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**long, "stream": True}, timeout=60
+        ) as first:
+            lines = first.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # it runs
+            waiters = [
+                threading.Thread(
+                    target=lambda: httpx.post(f"{url}/v1/completions", json=short, timeout=120),
+                    daemon=True,
+                )
+                for _ in range(64)
+            ]
+            for w in waiters:
+                w.start()
+            deadline = time.monotonic() + 20
+            while httpx.get(f"{url}/health").json()["waiting"] < 64:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            times = []
+            for _ in range(30):
+                t0 = time.perf_counter()
+                assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+                times.append(time.perf_counter() - t0)
+            assert max(times) < 0.1, f"/health took up to {max(times) * 1000:.0f} ms"
+            refused = httpx.post(f"{url}/v1/completions", json=short, timeout=60)
+            assert refused.status_code == 429
+        gone = time.monotonic()  # the running stream's client left: the queue moves
+        while httpx.get(f"{url}/health").json()["waiting"] > 63:
+            assert time.monotonic() - gone < 1.0, "the disconnected stream kept its slot"
+            time.sleep(0.02)
+        for w in waiters:
+            w.join(120)
+        health = httpx.get(f"{url}/health").json()
+        assert health["running"] == 0 and health["waiting"] == 0
+        text = httpx.get(f"{url}/metrics").text
+        assert "dgr:time_to_first_token_seconds_count 65.0" in text
+        assert "dgr:time_per_output_token_seconds_count" in text

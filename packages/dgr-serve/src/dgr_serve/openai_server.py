@@ -15,19 +15,26 @@ It behaves as llama-server and vLLM's OpenAI server do where a client can tell:
 - logprobs and top_logprobs come from the tail (its logprob of the sampled token, its logits
   for the alternatives).
 
-Each request is one route session; the sync gRPC route runs in Starlette's thread pool. At
-most `max_active` requests run at once and `max_queue` more wait; beyond that, 429.
+Each request is one route session, served from the event loop (dgr_serve.admission): at most
+`max_active` requests run at once and `max_queue` more wait, on the loop and holding no thread,
+so /health and new requests are answered whatever waits; beyond that, 429. The synchronous
+route is read a piece at a time in worker threads, and a client that goes away has its
+generation closed (its stage sessions freed, its slot passed on) within a second. GET /metrics
+is Prometheus text: time to first token and per output token, tokens, requests (metrics.py).
+
+A request whose prompt starts with what an earlier one left on the stages (a chat's next turn)
+prefills only the rest (prefix reuse, dgr_route.prefixes), bit for bit what a full prefill
+gives, and `usage.prompt_tokens_details.cached_tokens` says how many tokens it did not compute.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
-import threading
 import time
 import uuid
-import weakref
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,9 +47,13 @@ from dgr_route.tokenizer import TokenizerLike
 from dgr_wire.codec import decode_logits
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+
+from dgr_serve.admission import Admission, Bridge, Full
+from dgr_serve.metrics import ServeMetrics
 
 RETRY_AFTER_S = 1
 MAX_TOP_LOGPROBS = 20
@@ -243,7 +254,8 @@ class Generation:
     top_logprobs: int  # alternatives per token; 0 none
     want_logprobs: bool
     completion_tokens: int = 0
-    drafts: DraftUsage = field(default_factory=DraftUsage)  # speculative decoding (--draft)
+    # what the route did: speculative decoding (--draft) and prefix reuse
+    drafts: DraftUsage = field(default_factory=DraftUsage)
 
     def usage(self) -> dict[str, Any]:
         p, c = len(self.prompt), self.completion_tokens
@@ -252,40 +264,15 @@ class Generation:
             "prompt_tokens": p,
             "completion_tokens": c,
             "total_tokens": p + c,
+            # prompt tokens the stages kept from an earlier request (prefix reuse), as OpenAI
+            # reports its prompt caching
+            "prompt_tokens_details": {"cached_tokens": d.cached_tokens},
             # OpenAI's fields for predicted tokens: drafts the route verified and kept or not
             "completion_tokens_details": {
                 "accepted_prediction_tokens": d.accepted,
                 "rejected_prediction_tokens": d.drafted - d.accepted,
             },
         }
-
-
-class Admission:
-    """At most `active` generations at once and `queue` more waiting; beyond that, 429."""
-
-    def __init__(self, active: int, queue: int) -> None:
-        self.limit, self.queue = active, queue
-        self.running = self.waiting = 0
-        self._cv = threading.Condition()
-
-    def acquire(self) -> None:
-        with self._cv:
-            if self.running >= self.limit and self.waiting >= self.queue:
-                raise busy(
-                    f"{self.running} requests running and {self.waiting} waiting, "
-                    f"the most this server admits"
-                )
-            self.waiting += 1
-            try:
-                self._cv.wait_for(lambda: self.running < self.limit)
-            finally:
-                self.waiting -= 1
-            self.running += 1
-
-    def release(self) -> None:
-        with self._cv:
-            self.running -= 1
-            self._cv.notify()
 
 
 def create_app(
@@ -300,6 +287,7 @@ def create_app(
     admission = Admission(
         max_active or min(s.describe.max_sessions for s in route.stages), max_queue
     )
+    metrics = ServeMetrics(lambda: admission.running, lambda: admission.waiting)
 
     @app.exception_handler(OpenAIError)
     def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -408,46 +396,57 @@ def create_app(
             alternatives = [(int(t), tokenizer.detokenize([int(t)]), float(logp[t])) for t in best]
         return TokenInfo(token, tokenizer.detokenize([token]), float(result.logprob), alternatives)
 
-    def admitted(gen: Generation) -> Iterator[Piece]:
-        """pieces() inside an admission slot, the first piece (prefill, the first token) already
-        computed: a failure that early is an HTTP error, not a stream that starts and breaks."""
-        admission.acquire()
+    async def admitted(gen: Generation, request: Request) -> Bridge:
+        """pieces() inside an admission slot, read from the event loop, the first piece
+        (prefill, the first token) already computed: a failure that early is an HTTP error, not
+        a stream that starts and breaks. The slot and the stage sessions go when the response
+        ends, fails or its client leaves."""
+        arrived = time.perf_counter()
         try:
-            stream = pieces(gen)
-            try:
-                first = next(stream)
-            except RouteError as exc:
-                raise from_route_error(exc) from exc
+            await admission.acquire()
+        except Full as exc:
+            raise busy(f"{exc}, the most this server admits") from exc
+
+        def closed() -> None:
+            admission.release()
+            metrics.finished(
+                arrived,
+                bridge.first_at,
+                bridge.last_at,
+                len(gen.prompt),
+                gen.drafts.cached_tokens,
+                gen.completion_tokens,
+            )
+
+        bridge = Bridge(pieces(gen), closed, request.is_disconnected)
+        try:
+            more, first = await bridge.next()
+        except RouteError as exc:
+            bridge.close()
+            raise from_route_error(exc) from exc
         except BaseException:
-            admission.release()
+            bridge.close()
             raise
+        bridge.first = first if more else None
+        return bridge
 
-        held = [True]
-        lock = threading.Lock()
-
-        def release() -> None:  # once, whether the response is read to its end or dropped
-            with lock:
-                if not held:
-                    return
-                held.clear()
-            stream.close()
-            admission.release()
-
-        def rest() -> Iterator[Piece]:
-            try:
+    async def rest(bridge: Bridge) -> AsyncIterator[Piece]:
+        """The admitted generation's pieces, the first one included."""
+        try:
+            first = bridge.first
+            if first is not None:
                 yield first
                 if first.finish is None:
-                    yield from stream
-            finally:
-                release()
+                    async for piece in bridge:
+                        yield piece
+        finally:
+            bridge.close()
 
-        out = rest()
-        weakref.finalize(out, release)  # a response dropped before it was read
-        return out
-
-    def sse(events: Iterator[dict[str, Any]], final: dict[str, Any] | None = None) -> Iterator[str]:
+    async def sse(
+        events: AsyncIterator[dict[str, Any]], final: dict[str, Any] | None = None
+    ) -> AsyncIterator[str]:
         try:
-            for event in events:
+            async for event in events:
                 yield f"data: {json.dumps(event)}\n\n"
         except RouteError as exc:
             yield f"data: {json.dumps(from_route_error(exc).body())}\n\n"
@@ -456,13 +455,36 @@ def create_app(
                 yield f"data: {json.dumps(final)}\n\n"
         yield "data: [DONE]\n\n"
 
+    async def stage_health(stage: Any) -> pb.HealthReply:
+        """A stage's Health, awaited on the loop (the call runs on gRPC's own threads)."""
+        call = stage.stub.Health.future(pb.HealthRequest(), timeout=2.0, metadata=stage.metadata)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def settle() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def wake(_: Any) -> None:
+            loop.call_soon_threadsafe(settle)
+
+        call.add_done_callback(wake)
+        await done
+        return call.result()  # type: ignore[no-any-return]
+
+    @app.get("/metrics")
+    def prometheus_metrics() -> Response:
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/health")
-    def health() -> JSONResponse:
+    async def health() -> JSONResponse:
         stages = []
-        for stage in route.stages:
-            try:
-                h = stage.stub.Health(pb.HealthRequest(), timeout=2.0, metadata=stage.metadata)
-            except grpc.RpcError as exc:
+        replies = await asyncio.gather(
+            *(stage_health(s) for s in route.stages), return_exceptions=True
+        )
+        for stage, h in zip(route.stages, replies, strict=True):
+            if isinstance(h, grpc.RpcError):
+                exc = h
                 return OpenAIError(
                     503,
                     f"stage {stage.index} ({stage.address}) does not answer Health: "
@@ -470,6 +492,8 @@ def create_app(
                     "server_error",
                     code="stage_unavailable",
                 ).response()
+            if isinstance(h, BaseException):
+                raise h
             stages.append(
                 {
                     "address": stage.address,
@@ -499,16 +523,22 @@ def create_app(
         return model_card()
 
     @app.post("/v1/completions", response_model=None)
-    def completions(req: CompletionRequest) -> dict[str, Any] | StreamingResponse:
+    async def completions(
+        req: CompletionRequest, request: Request
+    ) -> dict[str, Any] | StreamingResponse:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        if isinstance(req.prompt, str):
-            prompt = tokenizer.encode(req.prompt)
-        elif req.prompt and isinstance(req.prompt[0], str):
-            prompt = tokenizer.encode(str(req.prompt[0]))
-        else:
-            prompt = [int(t) for t in req.prompt]
         top = req.logprobs or 0
-        gen = plan(req, prompt, req.max_tokens, top, req.logprobs is not None, "prompt")
+
+        def prepare() -> Generation:  # a remote tokenizer is a gRPC call: off the loop
+            if isinstance(req.prompt, str):
+                prompt = tokenizer.encode(req.prompt)
+            elif req.prompt and isinstance(req.prompt[0], str):
+                prompt = tokenizer.encode(str(req.prompt[0]))
+            else:
+                prompt = [int(t) for t in req.prompt]
+            return plan(req, prompt, req.max_tokens, top, req.logprobs is not None, "prompt")
+
+        gen = await run_in_threadpool(prepare)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         offset = [0]
 
@@ -547,38 +577,43 @@ def create_app(
                 body["usage"] = None
             return body
 
-        stream = admitted(gen)
+        stream = rest(await admitted(gen, request))
         if req.stream:
             final = None
             if include_usage:
                 final = {**chunk(Piece("")), "choices": [], "usage": None}
 
-            def events() -> Iterator[dict[str, Any]]:
-                yield from (chunk(p) for p in stream)
+            async def events() -> AsyncIterator[dict[str, Any]]:
+                async for p in stream:
+                    yield chunk(p)
                 if final is not None:
                     final["usage"] = gen.usage()
 
             return StreamingResponse(sse(events(), final), media_type="text/event-stream")
-        whole = collect(stream)
+        whole = await collect(stream)
         return {**chunk(whole), "usage": gen.usage()}
 
     @app.post("/v1/chat/completions", response_model=None)
-    def chat(req: ChatRequest) -> dict[str, Any] | StreamingResponse:
+    async def chat(req: ChatRequest, request: Request) -> dict[str, Any] | StreamingResponse:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         messages = [("system" if m.role == "developer" else m.role, m.text()) for m in req.messages]
-        try:
-            prompt_text = tokenizer.chat(messages)
-        except RuntimeError as exc:
-            raise OpenAIError(400, f"chat template: {exc}", param="messages") from exc
         top = req.top_logprobs or 0
-        gen = plan(
-            req,
-            tokenizer.encode(prompt_text),
-            req.max_completion_tokens or req.max_tokens,
-            top,
-            req.logprobs,
-            "messages",
-        )
+
+        def prepare() -> Generation:  # a remote tokenizer is a gRPC call: off the loop
+            try:
+                prompt_text = tokenizer.chat(messages)
+            except RuntimeError as exc:
+                raise OpenAIError(400, f"chat template: {exc}", param="messages") from exc
+            return plan(
+                req,
+                tokenizer.encode(prompt_text),
+                req.max_completion_tokens or req.max_tokens,
+                top,
+                req.logprobs,
+                "messages",
+            )
+
+        gen = await run_in_threadpool(prepare)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def logprobs(p: Piece) -> dict[str, Any] | None:
@@ -602,7 +637,7 @@ def create_app(
                 ]
             }
 
-        stream = admitted(gen)
+        stream = rest(await admitted(gen, request))
         if req.stream:
             base = {
                 "id": rid,
@@ -615,7 +650,7 @@ def create_app(
                 {**base, "choices": [], "usage": None} if include_usage else None
             )
 
-            def events() -> Iterator[dict[str, Any]]:
+            async def events() -> AsyncIterator[dict[str, Any]]:
                 role = {"role": "assistant", "content": ""}
                 yield {
                     **base,
@@ -623,7 +658,7 @@ def create_app(
                         {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
                     ],
                 }
-                for p in stream:
+                async for p in stream:
                     delta = {"content": p.text} if p.text else {}
                     choice = {
                         "index": 0,
@@ -636,7 +671,7 @@ def create_app(
                     final["usage"] = gen.usage()
 
             return StreamingResponse(sse(events(), final), media_type="text/event-stream")
-        whole = collect(stream)
+        whole = await collect(stream)
         return {
             "id": rid,
             "object": "chat.completion",
@@ -653,11 +688,11 @@ def create_app(
             "usage": gen.usage(),
         }
 
-    def collect(stream: Iterator[Piece]) -> Piece:
+    async def collect(stream: AsyncIterator[Piece]) -> Piece:
         whole = Piece("")
         texts = []
         try:
-            for p in stream:
+            async for p in stream:
                 texts.append(p.text)
                 whole.tokens.extend(p.tokens)
                 whole.finish = p.finish or whole.finish
