@@ -156,6 +156,12 @@ def bench_spec(session: nox.Session) -> None:
     session.run("python", "-m", "dgr_bench.spec", *session.posargs)
 
 
+@nox.session(name="bench-serve", python=False)
+def bench_serve(session: nox.Session) -> None:
+    """Many users over one route: chat TTFT with prefix reuse, sessions in flight, /health."""
+    session.run("python", "-m", "dgr_bench.serve", *session.posargs)
+
+
 @nox.session(name="bench-mtp", python=False)
 def bench_mtp(session: nox.Session) -> None:
     """Decode with and without the tail's MTP drafts on a 3-stage V4 twin route (DGR-069)."""

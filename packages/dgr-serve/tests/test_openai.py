@@ -5,46 +5,23 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx2 as httpx
 import openai
 import pytest
-import uvicorn
 from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_route.route import Draft, Route
 from dgr_route.tokenizer import Tokenizer
+from dgr_serve.inprocess import serving
 from dgr_serve.openai_server import create_app
-from fastapi import FastAPI
 
 N_CTX = 256
 MODEL = "smollm2"
-
-
-@contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
-    """The app on a free local port; yields its base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -254,8 +255,6 @@ def concurrent_decode(
 ) -> dict[str, float]:
     """Aggregate decode tokens/s of 1, 2 and 4 sessions generating at once on a 3-stage forward
     route whose workers batch up to `max_batch` sessions' decode steps (1: FIFO turns)."""
-    import threading
-
     from dgr_route.local import even_layout
 
     workers = [
@@ -275,35 +274,36 @@ def concurrent_decode(
     try:
         route = Route.open([w.address for w in workers], timeout=120, prefix_reuse=False)
         for n in (1, 2, 4):
-            prompts = [[1000 + (i * 7 + 13 * k) % 5000 for i in range(32)] for k in range(n)]
-            # forward mode decodes on while its client reads: time whole generations (their
-            # 32-token prefills included, the same for both settings) from a common start
-            start = threading.Barrier(n + 1)
-            done: list[float] = []
-
-            def run(
-                prompt: list[int],
-                start: threading.Barrier = start,
-                done: list[float] = done,
-            ) -> None:
-                start.wait()
-                for _ in route.generate(prompt, DECODE_TOKENS):
-                    pass
-                done.append(time.perf_counter())
-
-            pool = [threading.Thread(target=run, args=(p,)) for p in prompts]
-            for t in pool:
-                t.start()
-            start.wait()
-            t0 = time.perf_counter()
-            for t in pool:
-                t.join(300)
-            rates[f"{n} sessions"] = n * DECODE_TOKENS / (max(done) - t0)
+            rates[f"{n} sessions"] = sessions_at_once(route, n, DECODE_TOKENS)
         route.close()
     finally:
         for w in workers:
             w.stop()
     return rates
+
+
+def sessions_at_once(route: Route, n: int, tokens: int) -> float:
+    """Aggregate decode tok/s of n sessions generating `tokens` each at once over `route`, from
+    distinct 32-token prompts. Forward mode decodes on while its client reads: whole generations
+    (their prefills included) are timed from a common start to the last one's end."""
+    prompts = [[1000 + (i * 7 + 13 * k) % 5000 for i in range(32)] for k in range(n)]
+    start = threading.Barrier(n + 1)
+    done: list[float] = []
+
+    def run(prompt: list[int]) -> None:
+        start.wait()
+        for _ in route.generate(prompt, tokens):
+            pass
+        done.append(time.perf_counter())
+
+    pool = [threading.Thread(target=run, args=(p,)) for p in prompts]
+    for t in pool:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in pool:
+        t.join(600)
+    return n * tokens / (max(done) - t0)
 
 
 def engine_round(

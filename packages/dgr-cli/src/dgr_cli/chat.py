@@ -3,10 +3,10 @@
 Each turn sends the whole conversation (a route session per turn) and streams the reply as it
 is generated; the stages keep the conversation's KV between turns (prefix reuse: the route asks
 them to start from what the last turn left, and a turn prefills only its new message, the same
-bits as a full prefill), so the next reply starts about as soon as the first did. Ctrl-C during a reply stops that
-reply (the route's session is closed, the stages free it) and keeps the conversation with what
-was said so far; Ctrl-C at the prompt clears the line; Ctrl-D or /exit leaves; /reset starts
-over.
+bits as a full prefill), so the next reply starts about as soon as the first did. Ctrl-C
+during a reply stops that reply (the route's session is closed, the stages free it) and keeps
+the conversation with what was said so far; Ctrl-C at the prompt clears the line; Ctrl-D or
+/exit leaves; /reset starts over.
 """
 
 from __future__ import annotations
