@@ -71,6 +71,10 @@ const std::set<std::string> kStagedBoundaryArchs = {"deepseek4"};
 // architectures whose per-layer state beyond the KV cache (DeepSeek V4's compressors) cannot drop
 // positions: they roll back only through llama.cpp's recurrent-state snapshots (n_rs_seq)
 const std::set<std::string> kSnapshotStateArchs = {"deepseek4"};
+// architectures whose rows round by their batch's shape (DeepSeek V4's attention and compressors):
+// a suffix computed after a kept prefix does not give a full prefill's bits, so no session is kept
+// for prefix reuse (measured on the V4 twin: same tokens, other logits)
+const std::set<std::string> kBatchShapedArchs = {"deepseek4"};
 
 // llama.cpp reports load failures through its log; keep the last error for the typed message
 std::mutex g_log_mutex;
@@ -422,7 +426,8 @@ public:
         // llama_model_size counts every tensor in the file; a shard holds only its own
         desc_.weight_bytes = desc_.model_buffer_bytes;
         desc_.batch_invariant = options.batch_invariant;
-        desc_.cache_sessions = std::clamp(options.cache_sessions, 0, options.max_sessions);
+        desc_.cache_sessions =
+            kBatchShapedArchs.count(arch) ? 0 : std::clamp(options.cache_sessions, 0, options.max_sessions);
         desc_.cache_bytes = options.cache_bytes;
         desc_.kv_bytes_per_token = desc_.kv_bytes / std::max<uint64_t>(1, (uint64_t) options.n_ctx * options.max_sessions);
         for (int32_t s = options.max_sessions - 1; s >= 0; --s) {
@@ -1044,8 +1049,10 @@ private:
             return;
         }
         // a kept session whose whole history this one starts with serves nothing this one does not
+        // (where the state is positional: elsewhere it alone serves a start at its own end)
+        const bool positional = desc_.max_rollback >= options_.n_ctx;
         for (auto k = kept_.begin(); k != kept_.end();) {
-            const bool covered = k->n_past <= s.n_past && k->hash() == s.hashes[(size_t) k->n_past];
+            const bool covered = positional && k->n_past <= s.n_past && k->hash() == s.hashes[(size_t) k->n_past];
             k = covered ? evict(k) : std::next(k);
         }
         if (mtp_) llama_memory_seq_rm(llama_get_memory(mtp_), s.seq, -1, -1);  // the block re-follows from 0
@@ -1088,6 +1095,11 @@ private:
         }
         if (k == kept_.end()) {
             misses_++;
+            if (kBatchShapedArchs.count(desc_.arch)) {
+                throw ShardError(Status::cache_mismatch, "reuse: " + desc_.arch +
+                                                             " rows round by their batch's shape, so this shard keeps no "
+                                                             "session for prefix reuse: prefill from n_past 0");
+            }
             throw ShardError(Status::cache_mismatch,
                              "reuse: no kept session starts with these " + std::to_string(req.n_past) +
                                  " tokens (never held here, evicted, computed over another route, or another history" +

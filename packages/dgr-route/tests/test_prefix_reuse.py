@@ -119,13 +119,16 @@ def test_a_conversation_reusing_its_prefix_equals_full_prefills_bitwise(
         assert a["dgr:num_sessions_running"] == 0  # kept sessions hold no live slot
 
 
-def test_a_stage_without_the_prefix_refuses_and_the_route_prefills_in_full(
+def test_a_restarted_stage_refuses_the_prefix_and_the_route_prefills_in_full(
     smollm2: Path,
 ) -> None:
+    """A stage restart loses its cache and nothing else: the route's next turn asks for the
+    prefix, the restarted stage refuses (FAILED_PRECONDITION), and the route prefills in full,
+    the same bits as a route that never asks; the sessions the refused attempt opened on the
+    other stages are gone."""
     from dgr_route.tokenizer import Tokenizer
 
-    # the middle stage keeps nothing: every reuse the route asks for is refused there
-    workers = _workers(smollm2, 1, {1: ["--prefix-cache-sessions", "0"]})
+    workers = _workers(smollm2, 1, {})
     try:
         tokenizer = Tokenizer(smollm2)
         addresses = [w.address for w in workers]
@@ -135,21 +138,81 @@ def test_a_stage_without_the_prefix_refuses_and_the_route_prefills_in_full(
             )
             for a in addresses
         ]
-        assert [d.prefix_cache_sessions for d in describe] == [4, 0, 4]
+        assert [d.prefix_cache_sessions for d in describe] == [4, 4, 4]
         assert all(d.batch_invariant for d in describe)
         full = Route.open(addresses, timeout=120, prefix_reuse=False)
         reference = _conversation(full, tokenizer, 12)
         full.close()
         route = Route.open(addresses, timeout=120)
-        got = _conversation(route, tokenizer, 12)
+        history = tokenizer.encode(PROSE * 4) + list(tokenizer.vocab.tokenize(TURNS[0], False))
+        list(route.generate(history, 12))  # turn 1: the stages keep it
+        middle = workers[1]
+        port = middle.port
+        middle.stop()
+        workers[1] = start_worker(
+            smollm2,
+            *LAYOUT[1],
+            port=port,
+            descriptor=descriptor_args(smollm2),
+            threads=1,
+            n_ctx=1024,
+            extra=["--metrics-listen", "127.0.0.1:0"],
+        )
+        got = _conversation(route, tokenizer, 12)  # turn 1 again, then on
         route.close()
         assert [g[0] for g in got] == [r[0] for r in reference]
         assert all(np.array_equal(g[1], r[1]) for g, r in zip(got, reference, strict=True))
-        assert [g[3] for g in got] == [0, 0, 0]  # refused, so nothing counted as cached
-        middle = _metrics(workers[1])
-        assert middle["dgr:prefix_cache_misses_total"] >= 2
-        assert middle["dgr:prefix_cache_sessions"] == 0
-        assert all(w.sessions() == 0 for w in workers)  # the refused sessions hold nothing
+        # turn 1 asked for what the old middle kept: refused there, prefilled in full; the
+        # turns after it reuse what the one before left on every stage
+        assert got[0][3] == 0 and got[1][3] > 0 and got[2][3] > 0
+        assert _metrics(workers[1])["dgr:prefix_cache_misses_total"] >= 1
+        assert all(w.sessions() == 0 for w in workers)
     finally:
         for w in workers:
+            w.stop()
+
+
+def test_a_reused_session_fails_over_and_equals_full_prefills(smollm2: Path) -> None:
+    """A turn that started from a kept prefix, its middle stage killed after 8 tokens: the
+    session moves to a replacement route (a re-prefill of everything so far under a new epoch,
+    no reuse there) and its tokens and logits are those of the conversation prefilled in full."""
+    from dgr_route.route import RouteError
+    from dgr_route.session import RouteSession
+    from dgr_route.tokenizer import Tokenizer
+
+    workers = _workers(smollm2, 1, {})
+    spare: list[WorkerProcess] = []
+    try:
+        tokenizer = Tokenizer(smollm2)
+        addresses = [w.address for w in workers]
+        full = Route.open(addresses, timeout=120, prefix_reuse=False)
+        reference = _conversation(full, tokenizer, 24)
+        full.close()
+        route = Route.open(addresses, timeout=10)
+        history = tokenizer.encode(PROSE * 4) + list(tokenizer.vocab.tokenize(TURNS[0], False))
+        turn1 = list(route.generate(history, 24))
+        assert turn1 == reference[0][0]
+        history = history + turn1 + list(tokenizer.vocab.tokenize(TURNS[1], False))
+
+        def replace(err: RouteError) -> Route:
+            spare.append(
+                start_worker(
+                    smollm2, *LAYOUT[1], descriptor=descriptor_args(smollm2), threads=1, n_ctx=1024
+                )
+            )
+            return Route.open([addresses[0], spare[0].address, addresses[2]], timeout=30)
+
+        session = RouteSession(route, Sampling(want_logits=True))
+        tokens, logits = [], []
+        for result in session.results(history, 24, replace=replace):
+            tokens.append(int(result.token_id))
+            logits.append(np.frombuffer(result.logits.payload, dtype=np.float32))
+            if len(tokens) == 8:
+                workers[1].kill()
+        assert len(session.failures) == 1
+        assert _metrics(workers[0])["dgr:prefix_cache_hits_total"] >= 1  # turn 2 started reused
+        assert tokens == reference[1][0]
+        assert np.array_equal(np.stack(logits), reference[1][1])
+    finally:
+        for w in workers + spare:
             w.stop()

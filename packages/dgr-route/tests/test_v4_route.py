@@ -116,3 +116,40 @@ def test_a_bf16_wire_equals_the_same_rounding_in_one_process(
         forward_once(fleet[0], bad)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "boundary_dtype" in (info.value.details() or "")
+
+
+def test_prefix_reuse_is_refused_on_v4_and_the_route_prefills_in_full(
+    fleet: list[WorkerProcess],
+) -> None:
+    """V4 rounds a row by its batch's shape (attention, the compressors): a suffix computed after
+    a kept prefix gives the same tokens as a full prefill but other logits (measured here before
+    the stages refused), so V4 stages keep nothing for reuse and say so in Describe; a route asking
+    is refused and prefills in full, bit for bit the same as a route that never asks."""
+    from dgr_route.route import DraftUsage, Sampling
+
+    rng = np.random.default_rng(11)
+    prompt = [int(t) for t in rng.integers(0, 1024, 200)]
+    more = [int(t) for t in rng.integers(0, 1024, 24)]
+    addresses = [w.address for w in fleet]
+
+    def run(route: Route, tokens: list[int], n: int) -> tuple[list[int], np.ndarray, int]:
+        usage, out, rows = DraftUsage(), [], []
+        for r in route.results(tokens, n, Sampling(want_logits=True), usage=usage):
+            out.append(int(r.token_id))
+            rows.append(np.frombuffer(r.logits.payload, dtype=np.float32))
+        return out, np.stack(rows), usage.cached_tokens
+
+    full = Route.open(addresses, prefix_reuse=False)
+    reuse = Route.open(addresses)
+    try:
+        assert [s.describe.prefix_cache_sessions for s in reuse.stages] == [0, 0, 0]
+        first, _, _ = run(reuse, prompt, 8)
+        history = prompt + first + more
+        ref_tokens, ref_logits, _ = run(full, history, 8)
+        tokens, logits, cached = run(reuse, history, 8)
+        assert cached == 0 and tokens == ref_tokens
+        assert np.array_equal(logits.view(np.uint32), ref_logits.view(np.uint32))
+        assert all(w.sessions() == 0 for w in fleet)
+    finally:
+        full.close()
+        reuse.close()

@@ -178,6 +178,57 @@ def test_forward_mode_checks_the_route(fleet: dict[str, WorkerProcess]) -> None:
     assert health(whole).sessions == 0
 
 
+def test_bad_reuse_requests_are_refused_and_take_nothing(fleet: dict[str, WorkerProcess]) -> None:
+    """CacheExpectation.reuse: a relay request (no route), no prefix (n_past 0 or no hash) is
+    INVALID_ARGUMENT; a prefix the worker never kept is FAILED_PRECONDITION naming it; none of
+    them holds a session slot or counts a kept session."""
+    whole = fleet["whole"]
+    spec = pb.RouteSpec(stages=[whole.address], stage_index=0)
+    ids = [1, 2, 3]
+
+    sessions = iter(range(611, 700))
+
+    def reuse(n_past: int, hash_: int, route: bool = True) -> pb.ForwardRequest:
+        request = tokens_request(next(sessions), ids)
+        request.expect.CopyFrom(
+            pb.CacheExpectation(epoch=1, n_past=n_past, prefix_hash=hash_, reuse=True)
+        )
+        if route:
+            request.route.CopyFrom(spec)
+        request.last_chunk, request.max_tokens = True, 2
+        return request
+
+    def first_reply(request: pb.ForwardRequest) -> pb.ForwardReply:
+        """Forward mode answers a refused request with a StageError reply on the open stream."""
+        requests: queue.Queue[pb.ForwardRequest | None] = queue.Queue()
+        requests.put(request)
+        call = stub(whole).Forward(iter(requests.get, None), timeout=30)
+        reply: pb.ForwardReply = next(call)
+        requests.put(None)
+        call.cancel()
+        return reply
+
+    err = refusal(whole, reuse(5, prefix_hash([7] * 5), route=False))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "forward-mode field" in (err.details() or "")
+    for request, code, needle in [
+        (reuse(0, FNV_OFFSET), grpc.StatusCode.INVALID_ARGUMENT, "expect.reuse"),
+        (reuse(5, 0), grpc.StatusCode.INVALID_ARGUMENT, "expect.reuse"),
+        (
+            reuse(5, prefix_hash([7] * 5)),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "no kept session starts with these 5 tokens",
+        ),
+    ]:
+        reply = first_reply(request)
+        assert reply.error.code == code.value[0] and needle in reply.error.message, reply.error
+    deadline = time.monotonic() + 5  # the cancelled streams end
+    while health(whole).sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    h = health(whole)
+    assert h.sessions == 0 and h.cached_sessions == 0
+
+
 def test_loop_takes_tokens_only_for_sessions_the_head_drives(
     fleet: dict[str, WorkerProcess],
 ) -> None:

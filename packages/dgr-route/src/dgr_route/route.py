@@ -302,6 +302,11 @@ class Route:
         OPEN_ROUTES.add(self)
 
     @property
+    def keeps(self) -> bool:
+        """Whether every stage keeps finished sessions for prefix reuse (Describe)."""
+        return all(s.describe.prefix_cache_sessions > 0 for s in self.stages)
+
+    @property
     def lanes(self) -> list[str]:
         """The backend each stage computes on, as its worker reports it (they may differ)."""
         return [s.describe.compatibility.lane for s in self.stages]
@@ -440,7 +445,7 @@ class Route:
             usage = usage or DraftUsage()
             # (a drafting route prefills in full: prompt lookup drafts from the prefill's tokens,
             # and the tail's MTP block follows a session from its first token)
-            reusing = self.prefix_reuse and not self.draft.on and max_tokens > 0
+            reusing = self.prefix_reuse and not self.draft.on and max_tokens > 0 and self.keeps
             reuse = self.prefixes.take(history) if reusing else 0
             if reuse:
                 reused = self._run_forward(
@@ -578,7 +583,7 @@ class Route:
             # route computes nothing for it
             head.close()
             head.wait_ended(min(self.timeout, 5.0))
-            if self.prefix_reuse and not self.draft.on and held:
+            if self.prefix_reuse and not self.draft.on and self.keeps and held:
                 # what the stages keep: the history and the tokens fed back (all but the last)
                 self.prefixes.put((history + generated)[:held])
 
