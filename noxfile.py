@@ -52,6 +52,12 @@ def tests(session: nox.Session) -> None:
         session.error(f"pytest failed with exit code {code}")
 
 
+@nox.session(name="tests-slow", python=False)
+def tests_slow(session: nox.Session) -> None:
+    """The tests marked slow (batched parity at 4 threads per worker on 3 stages, ...)."""
+    session.run("pytest", "-m", "slow", "--slow", *session.posargs)
+
+
 @nox.session(python=False)
 def docs(session: nox.Session) -> None:
     """Generate the evidence pages and build the mkdocs-material site with --strict."""
