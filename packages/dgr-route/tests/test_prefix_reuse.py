@@ -216,3 +216,39 @@ def test_a_reused_session_fails_over_and_equals_full_prefills(smollm2: Path) -> 
     finally:
         for w in workers + spare:
             w.stop()
+
+
+def test_many_different_prompts_evict_by_lru_within_the_bytes_bound(smollm2: Path) -> None:
+    """A client sending many different prompts: the worker keeps at most what
+    --prefix-cache-bytes allows (the most recent ones), counts what it evicted, and its RSS does
+    not grow (the KV buffer was allocated whole at start); the most recent prompt still reuses."""
+    bound = 2 << 20  # about 90 tokens of SmolLM2's KV
+    worker = start_worker(
+        smollm2,
+        0,
+        30,
+        descriptor=descriptor_args(smollm2),
+        threads=1,
+        n_ctx=256,
+        extra=["--metrics-listen", "127.0.0.1:0", "--prefix-cache-bytes", "2M"],
+    )
+    try:
+        route = Route.open([worker.address], timeout=60)
+        prompts = [[1000 + (i * 7 + 31 * k) % 5000 for i in range(40)] for k in range(40)]
+        rss = []
+        for k, prompt in enumerate(prompts):
+            list(route.generate(prompt, 4))
+            m = _metrics(worker)
+            assert m["dgr:prefix_cache_bytes"] <= bound
+            if k in (9, 39):
+                rss.append(m["process_resident_memory_bytes"])
+        m = _metrics(worker)
+        assert 1 <= m["dgr:prefix_cache_sessions"] <= 2
+        assert m["dgr:prefix_cache_evictions_total"] >= 30
+        assert rss[1] - rss[0] < 4 << 20, f"RSS grew {(rss[1] - rss[0]) >> 10} KiB"
+        usage = DraftUsage()
+        list(route.results(prompts[-1] + [7, 8, 9], 2, usage=usage))
+        assert usage.cached_tokens == 40  # all of the last prompt (its tokens differ after it)
+        route.close()
+    finally:
+        worker.stop()
