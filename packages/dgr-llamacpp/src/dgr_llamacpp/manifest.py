@@ -31,6 +31,22 @@ class GitSource(BaseModel):
     commit: Commit
 
 
+class Lineage(BaseModel):
+    """How the pinned tree relates to the upstream change that brought an architecture in."""
+
+    model_config = ConfigDict(extra="forbid")
+    arch: str = Field(description="The LLM_ARCH name the change added.")
+    pull_request: int = Field(gt=0)
+    merge: Commit = Field(description="The merge commit of that pull request.")
+    relation: Literal["same", "descendant", "not-yet"] = Field(
+        description="The pinned commit is that merge, comes after it, or predates it."
+    )
+    evidence: str = Field(min_length=1, description="How the relation was established.")
+    patches_add: str = Field(
+        min_length=1, description="What DGR's patches carry for this arch that the merge lacks."
+    )
+
+
 class LlamaPin(BaseModel):
     model_config = ConfigDict(extra="forbid")
     schema_version: int = 1
@@ -43,6 +59,10 @@ class LlamaPin(BaseModel):
     )
     required_archs: list[str] = Field(
         default_factory=list, description="LLM_ARCH names the pinned tree must carry."
+    )
+    lineage: list[Lineage] = Field(
+        default_factory=list,
+        description="Upstream changes the target models depend on, and the pin's relation to each.",
     )
 
     def sdist(self) -> PypiSdistSource:
