@@ -8,6 +8,7 @@ differences that made a suffix prefilled after a reused prefix differ from a ful
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,6 +100,9 @@ def test_a_conversation_reusing_its_prefix_equals_full_prefills_bitwise(
     reused = Route.open(addresses, timeout=120)
     got = _conversation(reused, tokenizer)
     reused.close()
+    deadline = time.monotonic() + 5  # the stages free (and keep) their sessions as streams end
+    while any(w.sessions() for w in fleet) and time.monotonic() < deadline:
+        time.sleep(0.05)
     after = [_metrics(w) for w in fleet]
     for turn, (
         (tokens, logits, n, cached),
@@ -166,6 +170,9 @@ def test_a_restarted_stage_refuses_the_prefix_and_the_route_prefills_in_full(
         # turns after it reuse what the one before left on every stage
         assert got[0][3] == 0 and got[1][3] > 0 and got[2][3] > 0
         assert _metrics(workers[1])["dgr:prefix_cache_misses_total"] >= 1
+        deadline = time.monotonic() + 5  # the stages free their sessions as the streams end
+        while any(w.sessions() for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert all(w.sessions() == 0 for w in workers)
     finally:
         for w in workers:
