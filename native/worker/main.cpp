@@ -304,7 +304,7 @@ int main(int argc, char ** argv) {
         o.gpu_layers = args.gpu_layers;
         o.load_mtp = args.mtp;
         o.batch_invariant = args.batch_invariant;
-        o.cache_sessions = args.cache_sessions < 0 ? args.max_sessions : std::min(args.cache_sessions, args.max_sessions);
+        o.cache_sessions = args.cache_sessions < 0 ? args.max_sessions : args.cache_sessions;  // (the engine caps it)
         o.cache_bytes = args.cache_bytes;
         engine = dgr::ShardEngine::open(o);
         if (args.warmup) {  // a compute like any other: in a slot

@@ -402,9 +402,9 @@ public:
         desc_.max_sessions = options.max_sessions;
         // positions a truncation may drop: any, where the cache is positional; the snapshots kept,
         // where it is not (none: the session is dropped and re-prefilled)
-        const bool positional = !llama_model_is_recurrent(model_) && !llama_model_is_hybrid(model_) &&
+        positional_ = !llama_model_is_recurrent(model_) && !llama_model_is_hybrid(model_) &&
                                 kSnapshotStateArchs.count(arch) == 0;
-        desc_.max_rollback = positional ? options.n_ctx : (int32_t) llama_n_rs_seq(ctx_);
+        desc_.max_rollback = positional_ ? options.n_ctx : (int32_t) llama_n_rs_seq(ctx_);
         desc_.is_head = first == 0;
         desc_.mtp = mtp_ != nullptr;
         staged_boundary_ = kStagedBoundaryArchs.count(arch) > 0;
@@ -1050,9 +1050,8 @@ private:
         }
         // a kept session whose whole history this one starts with serves nothing this one does not
         // (where the state is positional: elsewhere it alone serves a start at its own end)
-        const bool positional = desc_.max_rollback >= options_.n_ctx;
         for (auto k = kept_.begin(); k != kept_.end();) {
-            const bool covered = positional && k->n_past <= s.n_past && k->hash() == s.hashes[(size_t) k->n_past];
+            const bool covered = positional_ && k->n_past <= s.n_past && k->hash() == s.hashes[(size_t) k->n_past];
             k = covered ? evict(k) : std::next(k);
         }
         if (mtp_) llama_memory_seq_rm(llama_get_memory(mtp_), s.seq, -1, -1);  // the block re-follows from 0
@@ -1082,13 +1081,12 @@ private:
 
     // a new session starting from the most recent kept one that holds its first n_past tokens
     Session & adopt(const ForwardRequest & req) {
-        const bool positional = desc_.max_rollback >= options_.n_ctx;
         if (req.n_past < 1 || req.prefix_hash == 0 || req.tokens == nullptr || req.lineage == 0) {
             throw ShardError(Status::invalid_argument, "reuse: needs n_past > 0, its prefix hash, the token ids and a lineage");
         }
         auto k = kept_.begin();
         for (; k != kept_.end(); ++k) {
-            if (k->lineage == req.lineage && k->n_past >= req.n_past && (positional || k->n_past == req.n_past) &&
+            if (k->lineage == req.lineage && k->n_past >= req.n_past && (positional_ || k->n_past == req.n_past) &&
                 k->hashes[(size_t) req.n_past] == req.prefix_hash) {
                 break;
             }
@@ -1103,7 +1101,7 @@ private:
             throw ShardError(Status::cache_mismatch,
                              "reuse: no kept session starts with these " + std::to_string(req.n_past) +
                                  " tokens (never held here, evicted, computed over another route, or another history" +
-                                 std::string(positional ? "" : "; this model's state is cut only where a kept session ends") +
+                                 std::string(positional_ ? "" : "; this model's state is cut only where a kept session ends") +
                                  "): prefill from n_past 0");
         }
         if (k->n_past > req.n_past && !llama_memory_seq_rm(llama_get_memory(ctx_), k->seq, req.n_past, -1)) {
@@ -1236,6 +1234,7 @@ private:
     mutable std::mutex placement_mutex_;
     std::vector<int32_t> want_cpus_;  // use_cpus: the next forwards' CPUs (empty: the kernel's choice)
     bool staged_boundary_ = false;
+    bool positional_ = true;  // the session state drops positions by seq_rm (not V4's compressors)
     std::vector<float> staging_;
     mutable std::mutex mutex_;
     std::map<uint64_t, Session> sessions_;

@@ -302,9 +302,15 @@ class Route:
         OPEN_ROUTES.add(self)
 
     @property
-    def keeps(self) -> bool:
-        """Whether every stage keeps finished sessions for prefix reuse (Describe)."""
-        return all(s.describe.prefix_cache_sessions > 0 for s in self.stages)
+    def reuses(self) -> bool:
+        """Whether generations start from what earlier ones left: asked for (prefix_reuse), every
+        stage keeps finished sessions (Describe), and no drafting (prompt lookup drafts from
+        the prefill's tokens, and the tail's MTP block follows a session from its first token)."""
+        return (
+            self.prefix_reuse
+            and not self.draft.on
+            and all(s.describe.prefix_cache_sessions > 0 for s in self.stages)
+        )
 
     @property
     def lanes(self) -> list[str]:
@@ -443,13 +449,25 @@ class Route:
         plan = prefill_plan(len(history), chunk, prompt_len)
         if self.mode == "forward":
             usage = usage or DraftUsage()
-            # (a drafting route prefills in full: prompt lookup drafts from the prefill's tokens,
-            # and the tail's MTP block follows a session from its first token)
-            reusing = self.prefix_reuse and not self.draft.on and max_tokens > 0 and self.keeps
-            reuse = self.prefixes.take(history) if reusing else 0
+            reuse = self.prefixes.take(history) if self.reuses and max_tokens > 0 else 0
             if reuse:
+                # the rest in the shapes a full prefill gives it (the prompt's rest in chunks, the
+                # generated tokens in replay batches)
+                rest = prefill_plan(
+                    len(history) - reuse,
+                    chunk,
+                    None if prompt_len is None else max(prompt_len - reuse, 0),
+                )
                 reused = self._run_forward(
-                    session, epoch, history, plan, max_tokens, sampling, stop, usage, reuse
+                    session,
+                    epoch,
+                    history,
+                    [slice(p.start + reuse, p.stop + reuse) for p in rest],
+                    max_tokens,
+                    sampling,
+                    stop,
+                    usage,
+                    reuse,
                 )
                 try:
                     first = next(reused, None)
@@ -515,18 +533,12 @@ class Route:
         reuse: int = 0,
     ) -> Generator[pb.TokenResult, None, None]:
         """`reuse` > 0: the stages start from the first `reuse` tokens of `history`, kept from an
-        earlier generation, and `parts` is replanned over the rest."""
+        earlier generation, and `parts` cover the rest."""
         if max_tokens < 1:
             return
         head = _Stream(self.stages[0], self.timeout)
         spec = pb.RouteSpec(stages=self.peers, stage_index=0)
         n_past, prefix = reuse, prefix_hash(history[:reuse]) if reuse else FNV_OFFSET
-        if reuse:
-            chunk = parts[0].stop - parts[0].start if parts else 1
-            parts = [
-                slice(p.start + reuse, p.stop + reuse)
-                for p in prefill_plan(len(history) - reuse, chunk)
-            ]
         generated: list[int] = []
         held = 0  # tokens of history + generated the stages' KV holds, as the last reply says
         try:
@@ -583,7 +595,7 @@ class Route:
             # route computes nothing for it
             head.close()
             head.wait_ended(min(self.timeout, 5.0))
-            if self.prefix_reuse and not self.draft.on and self.keeps and held:
+            if self.reuses and held:
                 # what the stages keep: the history and the tokens fed back (all but the last)
                 self.prefixes.put((history + generated)[:held])
 

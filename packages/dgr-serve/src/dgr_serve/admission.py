@@ -14,11 +14,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-T = TypeVar("T")
 WATCH_S = 0.25  # how often a generation checks that its client is still there
 
 
@@ -76,22 +75,23 @@ class Bridge:
     """A synchronous iterator (a generation's pieces) read from the event loop: each next()
     in a worker thread; closed once, from a thread of its own (closing a route generation waits
     for its stages to end), when the reader stops for any reason or `gone()` says the client
-    left. `on_close` runs after the close (the admission slot, metrics)."""
+    left. `on_close` runs after the close (the admission slot, metrics). `start()` reads the
+    first item before anyone iterates (its error raised there); iteration yields it first."""
 
     def __init__(
         self,
-        source: Iterator[T],
+        source: Iterator[Any],
         on_close: Callable[[], None],
         gone: Callable[[], Any] | None = None,
     ) -> None:
-        self._source: Iterator[Any] = source
+        self._source = source
         self._on_close = on_close
         self._gone = gone
         self._lock = threading.Lock()  # next() and close() never overlap
         self._closed = False
         self._watch: asyncio.Task[None] | None = None
         self.first_at = self.last_at = 0.0
-        self.first: Any = None  # the caller's: what the first next() gave
+        self._started: tuple[bool, Any] | None = None  # start()'s item, not yet yielded
 
     def _next(self) -> tuple[bool, Any]:
         with self._lock:
@@ -111,13 +111,20 @@ class Bridge:
             self._watch = asyncio.create_task(self._watching())
         return await run_in_threadpool(self._next)
 
+    async def start(self) -> None:
+        try:
+            self._started = await self.next()
+        except BaseException:
+            self.close()
+            raise
+
     async def __aiter__(self) -> AsyncIterator[Any]:
         try:
-            while True:
-                more, item = await self.next()
-                if not more:
-                    return
+            more, item = self._started or await self.next()
+            self._started = None
+            while more:
                 yield item
+                more, item = await self.next()
         finally:
             self.close()
 

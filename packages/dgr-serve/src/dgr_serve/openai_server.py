@@ -420,27 +420,10 @@ def create_app(
 
         bridge = Bridge(pieces(gen), closed, request.is_disconnected)
         try:
-            more, first = await bridge.next()
+            await bridge.start()
         except RouteError as exc:
-            bridge.close()
             raise from_route_error(exc) from exc
-        except BaseException:
-            bridge.close()
-            raise
-        bridge.first = first if more else None
         return bridge
-
-    async def rest(bridge: Bridge) -> AsyncIterator[Piece]:
-        """The admitted generation's pieces, the first one included."""
-        try:
-            first = bridge.first
-            if first is not None:
-                yield first
-                if first.finish is None:
-                    async for piece in bridge:
-                        yield piece
-        finally:
-            bridge.close()
 
     async def sse(
         events: AsyncIterator[dict[str, Any]], final: dict[str, Any] | None = None
@@ -577,7 +560,7 @@ def create_app(
                 body["usage"] = None
             return body
 
-        stream = rest(await admitted(gen, request))
+        stream = await admitted(gen, request)
         if req.stream:
             final = None
             if include_usage:
@@ -637,7 +620,7 @@ def create_app(
                 ]
             }
 
-        stream = rest(await admitted(gen, request))
+        stream = await admitted(gen, request)
         if req.stream:
             base = {
                 "id": rid,
@@ -688,7 +671,7 @@ def create_app(
             "usage": gen.usage(),
         }
 
-    async def collect(stream: AsyncIterator[Piece]) -> Piece:
+    async def collect(stream: Bridge) -> Piece:
         whole = Piece("")
         texts = []
         try:
