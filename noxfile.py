@@ -93,6 +93,18 @@ def native_build(session: nox.Session) -> None:
     session.run("dgr-native", "build", *session.posargs)
 
 
+@nox.session(name="test-native", python=False)
+def test_native(session: nox.Session) -> None:
+    """The worker's C++ unit tests under ctest (native/tests; `-- -R NAME` selects)."""
+    session.run("python", "-m", "dgr_native.unittests", "--", *session.posargs)
+
+
+@nox.session(name="test-native-asan", python=False)
+def test_native_asan(session: nox.Session) -> None:
+    """The same C++ unit tests, the worker and the tests built with ASan and UBSan."""
+    session.run("python", "-m", "dgr_native.unittests", "--sanitize", "--", *session.posargs)
+
+
 @nox.session(name="native-wheel", python=False)
 def native_wheel(session: nox.Session) -> None:
     """Build the dgr-engine wheel (scikit-build-core), install it fresh, compare with dev build."""

@@ -34,8 +34,8 @@ Status StepCheck::before(const dgr::v1::ForwardRequest & req, Next * next, dgr::
         return invalid("chunk_index: part " + std::to_string(req.chunk_index()) + " of the drafted step after n_past " +
                        std::to_string(n_past0_) + ", part " + std::to_string(next_part_) + " expected");
     }
-    ++next_part_;
     if (decided_) {  // decided at an earlier part: this one is past the rejected draft
+        ++next_part_;
         *next = Next::skip;
         if (req.last_chunk()) open_ = false;
         return Status::OK;
@@ -49,6 +49,7 @@ Status StepCheck::before(const dgr::v1::ForwardRequest & req, Next * next, dgr::
         return invalid("n_draft: " + std::to_string(tokens_.size() - 1 + req.n_draft()) + " drafts in one step, at most " +
                        std::to_string(kMaxDraft));
     }
+    ++next_part_;  // this part is in order (a refused one leaves the count as it was)
     if (req.token_ids(0) != pending_) {  // the first draft of this part is rejected already
         reply->set_session_id(req.session_id());
         reply->set_epoch(req.expect().epoch());
