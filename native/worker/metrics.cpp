@@ -92,118 +92,67 @@ struct Metrics::Handler : public CivetHandler {
     bool json_;
 };
 
+namespace {
+
+// one unlabelled series of a new family in `registry`
+prometheus::Counter & counter(prometheus::Registry & registry, const std::string & name, const std::string & help) {
+    return prometheus::BuildCounter().Name(name).Help(help).Register(registry).Add({});
+}
+prometheus::Gauge & gauge(prometheus::Registry & registry, const std::string & name, const std::string & help) {
+    return prometheus::BuildGauge().Name(name).Help(help).Register(registry).Add({});
+}
+prometheus::Histogram & histogram(prometheus::Registry & registry, const std::string & name, const std::string & help,
+                                  const prometheus::Histogram::BucketBoundaries & buckets) {
+    return prometheus::BuildHistogram().Name(name).Help(help).Register(registry).Add({}, buckets);
+}
+
+}  // namespace
+
 Metrics::Metrics(LiveState live)
     : live_(std::move(live)),
       registry_(std::make_shared<prometheus::Registry>()),
-      prompt_tokens_(prometheus::BuildCounter()
-                         .Name("dgr:prompt_tokens_total")
-                         .Help("Tokens this stage computed in prefill forwards")
-                         .Register(*registry_)
-                         .Add({})),
-      generation_tokens_(prometheus::BuildCounter()
-                             .Name("dgr:generation_tokens_total")
-                             .Help("Tokens this stage computed in decode steps")
-                             .Register(*registry_)
-                             .Add({})),
-      forwards_(prometheus::BuildCounter()
-                    .Name("dgr:forwards_total")
-                    .Help("Forwards this stage computed")
-                    .Register(*registry_)
-                    .Add({})),
-      without_slot_(prometheus::BuildCounter()
-                        .Name("dgr:forwards_without_slot_total")
-                        .Help("Forwards computed without a compute slot (every one held past the wait), at normal priority")
-                        .Register(*registry_)
-                        .Add({})),
-      cohort_incomplete_(prometheus::BuildCounter()
-                             .Name("dgr:cohort_gather_timeouts_total")
-                             .Help("Decode steps computed when the gather window ran out before the rest of their cohort arrived")
-                             .Register(*registry_)
-                             .Add({})),
-      parts_skipped_(prometheus::BuildCounter()
-                         .Name("dgr:draft_parts_skipped_total")
-                         .Help("Parts of drafted decode steps the tail did not compute: a draft before them was rejected")
-                         .Register(*registry_)
-                         .Add({})),
-      steps_in_parts_(prometheus::BuildCounter()
-                          .Name("dgr:draft_steps_in_parts_total")
-                          .Help("Drafted decode steps this head sent in parts that the stages pipeline")
-                          .Register(*registry_)
-                          .Add({})),
+      prompt_tokens_(counter(*registry_, "dgr:prompt_tokens_total", "Tokens this stage computed in prefill forwards")),
+      generation_tokens_(counter(*registry_, "dgr:generation_tokens_total",
+                 "Tokens this stage computed in decode steps")),
+      forwards_(counter(*registry_, "dgr:forwards_total", "Forwards this stage computed")),
+      without_slot_(counter(*registry_, "dgr:forwards_without_slot_total",
+                 "Forwards computed without a compute slot (every one held past the wait), at normal priority")),
+      cohort_incomplete_(counter(*registry_, "dgr:cohort_gather_timeouts_total",
+                 "Decode steps computed when the gather window ran out before the rest of their cohort arrived")),
+      parts_skipped_(counter(*registry_, "dgr:draft_parts_skipped_total",
+                 "Parts of drafted decode steps the tail did not compute: a draft before them was rejected")),
+      steps_in_parts_(counter(*registry_, "dgr:draft_steps_in_parts_total",
+                 "Drafted decode steps this head sent in parts that the stages pipeline")),
       errors_(prometheus::BuildCounter()
                   .Name("dgr:request_errors_total")
                   .Help("Requests refused or failed, by gRPC status code")
                   .Register(*registry_)),
-      sessions_(prometheus::BuildGauge()
-                    .Name("dgr:num_sessions_running")
-                    .Help("Sessions holding a slot (and a KV cache) on this stage")
-                    .Register(*registry_)
-                    .Add({})),
-      waiting_(prometheus::BuildGauge()
-                   .Name("dgr:num_requests_waiting")
-                   .Help("Forwards in flight on this stage: computing or waiting for their turn")
-                   .Register(*registry_)
-                   .Add({})),
-      kv_usage_(prometheus::BuildGauge()
-                    .Name("dgr:kv_cache_usage_perc")
-                    .Help("Fraction of the stage's KV cache in use (1 = full)")
-                    .Register(*registry_)
-                    .Add({})),
-      resident_(prometheus::BuildGauge()
-                    .Name("process_resident_memory_bytes")
-                    .Help("Resident memory of the worker process, measured (as Prometheus' process collectors name it)")
-                    .Register(*registry_)
-                    .Add({})),
-      cached_sessions_(prometheus::BuildGauge()
-                    .Name("dgr:prefix_cache_sessions")
-                    .Help("Finished sessions this stage keeps for prefix reuse (worker --prefix-cache-sessions)")
-                    .Register(*registry_)
-                    .Add({})),
-      cached_tokens_(prometheus::BuildGauge()
-                    .Name("dgr:prefix_cache_tokens")
-                    .Help("Tokens the kept sessions hold")
-                    .Register(*registry_)
-                    .Add({})),
-      cached_bytes_(prometheus::BuildGauge()
-                    .Name("dgr:prefix_cache_bytes")
-                    .Help("KV the kept sessions hold (worker --prefix-cache-bytes bounds it)")
-                    .Register(*registry_)
-                    .Add({})),
-      cache_hits_(prometheus::BuildCounter()
-                    .Name("dgr:prefix_cache_hits_total")
-                    .Help("Sessions that started from a kept one (prefix reuse)")
-                    .Register(*registry_)
-                    .Add({})),
-      cache_misses_(prometheus::BuildCounter()
-                    .Name("dgr:prefix_cache_misses_total")
-                    .Help("Sessions that asked to start from a kept one and found none")
-                    .Register(*registry_)
-                    .Add({})),
-      cache_reused_tokens_(prometheus::BuildCounter()
-                    .Name("dgr:prefix_cache_reused_tokens_total")
-                    .Help("Prompt tokens prefix reuse did not compute")
-                    .Register(*registry_)
-                    .Add({})),
-      cache_evictions_(prometheus::BuildCounter()
-                    .Name("dgr:prefix_cache_evictions_total")
-                    .Help("Kept sessions dropped for room (LRU)")
-                    .Register(*registry_)
-                    .Add({})),
-      forward_latency_(prometheus::BuildHistogram()
-                           .Name("dgr:forward_latency_seconds")
-                           .Help("Time a forward's turn on the engine took")
-                           .Register(*registry_)
-                           .Add({}, kSeconds)),
-      queue_time_(prometheus::BuildHistogram()
-                      .Name("dgr:request_queue_time_seconds")
-                      .Help("Time a forward waited for its turn on the engine")
-                      .Register(*registry_)
-                      .Add({}, kSeconds)),
-      batch_width_(prometheus::BuildHistogram()
-                       .Name("dgr:batch_width")
-                       .Help("Forwards computed in each llama_decode of this stage (sessions' decode steps batched)")
-                       .Register(*registry_)
-                       .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 3, 4, 6, 8, 12, 16, 32, 64})) {
+      sessions_(gauge(*registry_, "dgr:num_sessions_running",
+                 "Sessions holding a slot (and a KV cache) on this stage")),
+      waiting_(gauge(*registry_, "dgr:num_requests_waiting",
+                 "Forwards in flight on this stage: computing or waiting for their turn")),
+      kv_usage_(gauge(*registry_, "dgr:kv_cache_usage_perc", "Fraction of the stage's KV cache in use (1 = full)")),
+      resident_(gauge(*registry_, "process_resident_memory_bytes",
+                 "Resident memory of the worker process, measured (as Prometheus' process collectors name it)")),
+      cached_sessions_(gauge(*registry_, "dgr:prefix_cache_sessions",
+                 "Finished sessions this stage keeps for prefix reuse (worker --prefix-cache-sessions)")),
+      cached_tokens_(gauge(*registry_, "dgr:prefix_cache_tokens", "Tokens the kept sessions hold")),
+      cached_bytes_(gauge(*registry_, "dgr:prefix_cache_bytes",
+                 "KV the kept sessions hold (worker --prefix-cache-bytes bounds it)")),
+      cache_hits_(counter(*registry_, "dgr:prefix_cache_hits_total",
+                 "Sessions that started from a kept one (prefix reuse)")),
+      cache_misses_(counter(*registry_, "dgr:prefix_cache_misses_total",
+                 "Sessions that asked to start from a kept one and found none")),
+      cache_reused_tokens_(counter(*registry_, "dgr:prefix_cache_reused_tokens_total",
+                 "Prompt tokens prefix reuse did not compute")),
+      cache_evictions_(counter(*registry_, "dgr:prefix_cache_evictions_total", "Kept sessions dropped for room (LRU)")),
+      forward_latency_(histogram(*registry_, "dgr:forward_latency_seconds",
+                 "Time a forward's turn on the engine took", kSeconds)),
+      queue_time_(histogram(*registry_, "dgr:request_queue_time_seconds",
+                 "Time a forward waited for its turn on the engine", kSeconds)),
+      batch_width_(histogram(*registry_, "dgr:batch_width",
+                 "Forwards computed in each llama_decode of this stage (sessions' decode steps batched)",
+                 prometheus::Histogram::BucketBoundaries{1, 2, 3, 4, 6, 8, 12, 16, 32, 64})) {
     prometheus::BuildGauge()
         .Name("dgr:max_sessions")
         .Help("Session slots this stage serves")

@@ -1,5 +1,7 @@
 #include "service.h"
 
+#include "head_session.h"
+
 #include "drafting.h"
 #include "sampling.h"
 #include "validate.h"
@@ -27,14 +29,6 @@ Status from_shard_error(const dgr::ShardError & e) {
         case dgr::Status::capacity: return Status(StatusCode::RESOURCE_EXHAUSTED, e.what());
         default: return Status(StatusCode::INTERNAL, e.what());
     }
-}
-
-// speculative decoding: the key a route's step costs are kept under (DraftCosts): its stages, in
-// order, and the draft source
-uint64_t route_costs_key(const dgr::v1::RouteSpec & route, int source) {
-    std::string key = std::to_string(source);
-    for (const std::string & stage : route.stages()) key += "\n" + stage;
-    return std::hash<std::string>{}(key);
 }
 
 // a forward admitted to this stage's queue, for as long as it waits or computes
@@ -149,43 +143,6 @@ private:
     std::condition_variable cv_;
     std::deque<Event> events_;
     bool busy_ = false, over_ = false;
-};
-
-// The head's replies to the coordinator in forward mode: tokens gathered into one reply (`token`,
-// then `more_tokens`) until token_interval_ms has passed since the last reply went out. The first
-// token of a quiet stream and the last of a generation go at once.
-class TokenCoalescer {
-public:
-    using Clock = std::chrono::steady_clock;
-    explicit TokenCoalescer(std::chrono::milliseconds interval) : interval_(interval) {}
-
-    // queue a tail reply; true when the gathered reply is due now
-    bool add(dgr::v1::ForwardReply && reply, bool last) {
-        if (!pending_) {
-            reply_ = std::move(reply);
-            pending_ = true;
-        } else {
-            reply_.add_more_tokens()->Swap(reply.mutable_token());
-            for (auto & t : *reply.mutable_more_tokens()) reply_.add_more_tokens()->Swap(&t);
-            reply_.set_n_past(reply.n_past());
-            reply_.set_prefix_hash(reply.prefix_hash());
-            reply_.set_drafted(reply_.drafted() + reply.drafted());
-            reply_.set_accepted(reply_.accepted() + reply.accepted());
-        }
-        return last || Clock::now() - sent_ >= interval_;
-    }
-    bool pending() const { return pending_; }
-    dgr::v1::ForwardReply take() {
-        pending_ = false;
-        sent_ = Clock::now();
-        return std::move(reply_);
-    }
-
-private:
-    std::chrono::milliseconds interval_;
-    Clock::time_point sent_{};  // the epoch: the first token is always due
-    dgr::v1::ForwardReply reply_;
-    bool pending_ = false;
 };
 
 ShardService::ShardService(std::unique_ptr<dgr::ShardEngine> engine, ServiceOptions options, PeerOptions peers)
@@ -449,11 +406,55 @@ Status ShardService::forward_stage(Upstream & stream, dgr::v1::ForwardRequest re
     return result;
 }
 
+// The head's port (head_session.h) over the coordinator's gRPC stream: computes here and opens
+// the link to stage 1 with the first forward (its handshake overlaps that compute); a head that is
+// also the tail hands its token back to the flow as an event
+class ShardService::HeadStream final : public HeadPort {
+public:
+    HeadStream(ShardService & service, Stream * stream, const std::shared_ptr<HeadFlow> & flow,
+               const dgr::v1::RouteSpec & route)
+        : service_(service), stream_(stream), flow_(flow), route_(route) {}
+
+    Status forward(const dgr::v1::ForwardRequest & r, uint32_t peers) override {
+        if (!service_.desc_.is_tail && !down_) {
+            down_ = service_.peers_.downstream(route_.stages(1), 1, [flow = flow_](const dgr::v1::StageError & e) {
+                flow->push(HeadFlow::Event{HeadFlow::Event::failure, {}, {}, e});
+            });
+        }
+        if (r.last_chunk()) flow_->sent_ns.store(now_ns());  // a token will come back for it
+        dgr::v1::ForwardReply reply;
+        if (Status st = service_.compute(r, &reply, peers); !st.ok()) return st;
+        if (service_.desc_.is_tail) {
+            if (r.last_chunk()) flow_->push(HeadFlow::Event{HeadFlow::Event::token, {}, std::move(reply), {}});
+        } else {
+            down_->write(next_request(r, &reply));  // a broken link is reported by its reader
+        }
+        return Status::OK;
+    }
+    bool reply(const dgr::v1::ForwardReply & r) override { return stream_->Write(r); }
+    uint32_t peers_behind(int64_t sent_ns) override { return service_.peers_behind(flow_.get(), sent_ns); }
+    void forgo(const Cohort & cohort) override { service_.batcher_.forgo(cohort); }
+    void in_parts() override { service_.metrics_.step_in_parts(); }
+    void close_link() { down_.reset(); }
+
+    static int64_t now_ns() {
+        return (int64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
+                   std::chrono::steady_clock::now().time_since_epoch())
+            .count();
+    }
+
+private:
+    ShardService & service_;
+    Stream * stream_;
+    std::shared_ptr<HeadFlow> flow_;
+    const dgr::v1::RouteSpec & route_;
+    std::unique_ptr<Downstream> down_;
+};
+
 Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest first) {
     using Event = HeadFlow::Event;
     const uint64_t session = first.session_id(), epoch = first.expect().epoch();
     const dgr::v1::RouteSpec route = first.route();
-    const std::chrono::milliseconds interval(first.token_interval_ms());
     auto flow = std::make_shared<HeadFlow>();
     flow->session = session;
     flow->epoch = epoch;
@@ -467,273 +468,34 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
         }
         flows_[session] = flow;
     }
-    Status result = Status::OK;
-    bool done = false, closed = false, generating = false, finished = false;
-    uint32_t max_tokens = 0, generated = 0;
-    std::set<int32_t> stop;
-    dgr::v1::ForwardRequest step;  // the template of decode steps: sampling, dtype, route
-    std::unique_ptr<Downstream> down;
-    // speculative decoding (Draft on the last prefill chunk): the session's tokens so far, the
-    // drafter over them (prompt lookup) or the drafts the tail sends with each token (MTP, with
-    // the Draft on every chunk), and when the step in flight left
-    std::unique_ptr<PromptLookup> lookup;
-    bool mtp = false, chunk_without_mtp = false;
-    std::unique_ptr<DraftController> drafts;
-    uint64_t costs_key = 0;  // the route and draft source its step costs are kept under (DraftCosts)
-    double head_s = 0.0;     // this stage's compute of a plain step (seconds, a moving average)
-    std::vector<int32_t> prompt;
-    int32_t in_flight_drafts = 0, in_flight_proposed = 0;  // MTP: drafts the tail makes with the step
-    bool in_flight_probe = false;
-    DraftChoice planned;  // MTP: the drafts the step in flight asked the tail for, chosen a step ahead
-    int32_t shadow = -1;  // lookup, after a plain step: the token it would have drafted, or -1
-    auto step_sent = std::chrono::steady_clock::now();
-    // tokens go to the coordinator coalesced, at most one reply per token_interval_ms: every reply
-    // wakes a coordinator whose threads would otherwise take CPU from a stage computing
-    TokenCoalescer out(interval);
-    auto fail = [&](const dgr::v1::StageError & e) {
-        if (out.pending()) stream->Write(out.take());  // what was generated before the failure
-        stream->Write(error_reply(session, epoch, e));
-        result = Status((StatusCode) e.code(), "stage " + std::to_string(e.stage()) + " (" + e.address() + "): " + e.message());
-        done = true;
-    };
-    auto now_ns = [] {
-        return (int64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
-                   std::chrono::steady_clock::now().time_since_epoch())
-            .count();
-    };
-    auto process = [&](const dgr::v1::ForwardRequest & r, uint32_t peers = 0) {
-        if (!desc_.is_tail && !down) {  // opened before the first compute: the handshake overlaps it
-            down = peers_.downstream(route.stages(1), 1, [flow](const dgr::v1::StageError & e) {
-                flow->push(Event{Event::failure, {}, {}, e});
-            });
-        }
-        if (r.last_chunk()) flow->sent_ns.store(now_ns());  // a token will come back for it
-        dgr::v1::ForwardReply reply;
-        if (Status st = compute(r, &reply, peers); !st.ok()) return fail(stage_error(0, route.stages(0), st));
-        if (desc_.is_tail) {
-            if (r.last_chunk()) flow->push(Event{Event::token, {}, std::move(reply), {}});
-            return;
-        }
-        down->write(next_request(r, &reply));  // a broken link is reported by its reader
-    };
-    flow->handle = [&](Event & ev) {
-        // a cancelled or vanished coordinator ends the reader's Read, which queues `closed`
-        switch (ev.kind) {
-            case Event::request:
-                if (Status st = one_session(ev.req, session, epoch); !st.ok()) {
-                    fail(stage_error(0, route.stages(0), st));
-                } else if (generating || finished) {
-                    fail(stage_error(0, route.stages(0),
-                                     Status(StatusCode::INVALID_ARGUMENT,
-                                            "forward mode: the prefill ended with its last chunk; the route drives decoding")));
-                } else {
-                    const bool mtp_chunk = ev.req.draft().source() == dgr::v1::DRAFT_SOURCE_MTP;
-                    chunk_without_mtp = chunk_without_mtp || !mtp_chunk;
-                    if (ev.req.last_chunk() && mtp_chunk && chunk_without_mtp) {
-                        fail(stage_error(0, route.stages(0),
-                                         Status(StatusCode::INVALID_ARGUMENT,
-                                                "draft: MTP drafting needs the Draft on every prefill chunk (the tail's MTP "
-                                                "block follows each forward)")));
-                        break;
-                    }
-                    if (ev.req.last_chunk()) {
-                        if (ev.req.max_tokens() < 1) {
-                            fail(stage_error(0, route.stages(0),
-                                             Status(StatusCode::INVALID_ARGUMENT, "max_tokens: at least 1 on the last prefill chunk")));
-                            break;
-                        }
-                        generating = true;
-                        max_tokens = ev.req.max_tokens();
-                        stop.insert(ev.req.stop_ids().begin(), ev.req.stop_ids().end());
-                        step = ev.req;
-                        step.clear_token_ids();
-                        step.clear_stop_ids();
-                        step.clear_draft();
-                        step.mutable_expect()->set_reuse(false);  // the session is here now
-                        step.set_chunk_index(0);
-                        costs_key = route_costs_key(route, ev.req.draft().source());
-                        head_s = draft_costs_.get(costs_key).head;
-                        if (ev.req.draft().source() == dgr::v1::DRAFT_SOURCE_LOOKUP) {
-                            const auto & d = ev.req.draft();
-                            lookup = std::make_unique<PromptLookup>((int32_t) d.ngram_min(), (int32_t) d.ngram_max());
-                            drafts = std::make_unique<DraftController>((int32_t) d.max_draft(), 1.0, true, draft_costs_.get(costs_key));
-                            step.mutable_expect()->set_truncate(true);
-                        } else if (mtp_chunk) {
-                            mtp = true;
-                            drafts = std::make_unique<DraftController>((int32_t) ev.req.draft().max_draft(), 2.0, false,
-                                                                       draft_costs_.get(costs_key));
-                            *step.mutable_draft() = ev.req.draft();  // every step: the tail's block follows
-                            step.mutable_expect()->set_truncate(true);
-                        }
-                    }
-                    prompt.insert(prompt.end(), ev.req.token_ids().begin(), ev.req.token_ids().end());
-                    if (lookup) {
-                        for (int32_t t : prompt) lookup->add(t);
-                        prompt.clear();
-                    }
-                    in_flight_drafts = -1;  // a prefill: not a decode step to time
-                    process(ev.req);
-                }
-                break;
-            case Event::token: {
-                const int64_t sent = flow->sent_ns.exchange(0);
-                if (!generating) break;
-                // MTP: the tail's drafts for the next step (not the coordinator's business)
-                std::vector<int32_t> proposed(ev.reply.drafts().begin(), ev.reply.drafts().end());
-                ev.reply.clear_drafts();
-                if (Status st = check_drafts(proposed); !st.ok()) {
-                    fail(stage_error((uint32_t) route.stages_size() - 1, route.stages(route.stages_size() - 1), st));
-                    break;
-                }
-                if (drafts && in_flight_drafts >= 0) {
-                    drafts->observe(in_flight_drafts, (int32_t) ev.reply.accepted(),
-                                    std::chrono::duration<double>(std::chrono::steady_clock::now() - step_sent).count(),
-                                    in_flight_drafts + in_flight_proposed, in_flight_probe);
-                }
-                // a verified step yields several tokens: keep those up to the last one wanted
-                bool last = false;
-                int32_t token = ev.reply.token().token_id(), kept = 0;
-                const int32_t n_out = 1 + ev.reply.more_tokens_size();
-                for (int32_t i = 0; i < n_out && !last; ++i, ++kept) {
-                    token = i == 0 ? ev.reply.token().token_id() : ev.reply.more_tokens(i - 1).token_id();
-                    if (lookup) {
-                        if (i == 0 && shadow >= 0) drafts->shadow(token == shadow);
-                        lookup->add(token);
-                    }
-                    last = ++generated >= max_tokens || stop.count(token) > 0;
-                }
-                if (kept < n_out) {  // past the last token wanted: not the route's output
-                    ev.reply.mutable_more_tokens()->DeleteSubrange(kept - 1, n_out - kept);
-                    ev.reply.set_n_past(ev.reply.n_past() - (uint32_t) (n_out - kept));
-                    ev.reply.set_prefix_hash(0);
-                }
-                if (in_flight_drafts > 0) ev.reply.set_drafted((uint32_t) in_flight_drafts);  // sent, if not all checked
-                const uint32_t n_past = ev.reply.n_past();
-                const uint64_t hash = ev.reply.prefix_hash();
-                // the next step gathers with the sessions sampled beside this token (not the
-                // coordinator's business)
-                const Cohort mates = from_wire(ev.reply.cohort());
-                ev.reply.clear_cohort();
-                if (out.add(std::move(ev.reply), last) && !stream->Write(out.take())) {
-                    result = Status(StatusCode::CANCELLED, "the coordinator went away");
-                    done = true;
-                    batcher_.forgo(mates);
-                    break;
-                }
-                if (last) {
-                    generating = false;  // nothing past the last token: wait for the coordinator to close
-                    finished = true;
-                    batcher_.forgo(mates);  // its cohort-mates go on without it
-                    break;
-                }
-                step.clear_token_ids();
-                step.add_token_ids(token);
-                in_flight_drafts = 0;
-                in_flight_proposed = 0;
-                in_flight_probe = false;
-                if (drafts) {
-                    // never past max_tokens, nor past this stage's context
-                    const int32_t room = std::min<int32_t>((int32_t) (max_tokens - generated) - 1,
-                                                           desc_.n_ctx - (int32_t) n_past - 1);
-                    const int32_t limit = std::min<int32_t>(room, (int32_t) kMaxDraft);
-                    if (lookup) {
-                        const DraftChoice c = drafts->next(limit);
-                        in_flight_probe = c.probe;
-                        // a plain step still proposes one token: it is checked against the token
-                        // that comes back instead of being sent
-                        const std::vector<int32_t> proposal = lookup->propose(std::max(c.k, 1));
-                        shadow = c.k == 0 && !proposal.empty() ? proposal[0] : -1;
-                        if (c.k > 0) {
-                            for (int32_t d : proposal) step.add_token_ids(d);
-                        }
-                    } else {
-                        // MTP drafts are made a step ahead: this step verifies what was chosen a
-                        // step ago (as far as the tail made them), and asks for the next choice
-                        for (int32_t i = 0; i < planned.k && i < (int32_t) proposed.size() && i < limit; ++i) {
-                            step.add_token_ids(proposed[(size_t) i]);
-                        }
-                        in_flight_probe = planned.probe && step.token_ids_size() > 1;
-                        planned = drafts->next(limit);
-                        in_flight_proposed = planned.k;
-                        step.mutable_draft()->set_propose((uint32_t) planned.k);
-                    }
-                    in_flight_drafts = step.token_ids_size() - 1;
-                }
-                step.set_n_draft((uint32_t) in_flight_drafts);
-                if (mates.size > 1) {
-                    to_wire(mates, step.mutable_cohort());
-                } else {
-                    step.clear_cohort();
-                }
-                step.mutable_expect()->set_n_past(n_past);
-                step.mutable_expect()->set_prefix_hash(hash);
-                step_sent = std::chrono::steady_clock::now();
-                const uint32_t peers = sent != 0 ? peers_behind(flow.get(), sent) : 0;
-                const int32_t rows = step.token_ids_size(), per = options_.draft_part_rows;
-                // in parts that the stages pipeline (verify.h), where the links take longer than
-                // the stages' compute: a part travels while the next is computed. Where the trip
-                // is mostly compute (loopback) the stages could only overlap on spare cores, and
-                // each part costs every stage a forward more (2 cores, against whole steps: 1.19-
-                // 1.23x behind 10 ms links at 1 thread, 1.12x at 2; forced into parts on loopback
-                // 0.92x at 1 thread and 0.97x at 2, one A/B each)
-                const bool in_parts = lookup && in_flight_drafts > 0 && peers == 0 && mates.size <= 1 &&
-                                      route.stages_size() > 1 && per > 0 && rows > per && head_s > 0.0 &&
-                                      drafts->costs().t0 > 2.0 * route.stages_size() * head_s;
-                if (in_parts) {
-                    // balanced, the larger first, each a forward of its own here and on every stage
-                    metrics_.step_in_parts();
-                    const int32_t n_parts = (rows + per - 1) / per;
-                    dgr::v1::ForwardRequest part = step;
-                    for (int32_t j = 0, offset = 0; j < n_parts && !done; ++j) {
-                        const int32_t size = rows / n_parts + (j < rows % n_parts ? 1 : 0);
-                        part.clear_token_ids();
-                        part.mutable_token_ids()->Add(step.token_ids().begin() + offset, step.token_ids().begin() + offset + size);
-                        part.set_chunk_index((uint32_t) j);
-                        part.set_last_chunk(j + 1 == n_parts);
-                        part.set_n_draft((uint32_t) (j == 0 ? size - 1 : size));
-                        part.mutable_expect()->set_n_past(n_past + (uint32_t) offset);
-                        if (j > 0) {  // the part before checked them, and dropped nothing
-                            part.mutable_expect()->set_prefix_hash(0);
-                            part.mutable_expect()->set_truncate(false);
-                        }
-                        process(part);
-                        offset += size;
-                    }
-                } else if (lookup && rows == 1) {  // what a plain step costs this stage (the send included)
-                    const auto started = std::chrono::steady_clock::now();
-                    process(step, peers);
-                    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-                    head_s = head_s > 0.0 ? 0.75 * head_s + 0.25 * took : took;
-                } else {
-                    process(step, peers);
-                }
-                break;
+    HeadStream port(*this, stream, flow, route);
+    Status result;
+    {
+        HeadSession head(session, epoch, route, std::chrono::milliseconds(first.token_interval_ms()),
+                         HeadLimits{desc_.n_ctx, desc_.n_vocab, options_.draft_part_rows}, port, draft_costs_);
+        flow->handle = [&](Event & ev) {
+            switch (ev.kind) {
+                case Event::request: return head.on_request(ev.req);
+                case Event::token: return head.on_token(std::move(ev.reply), flow->sent_ns.exchange(0));
+                case Event::failure: return head.on_failure(ev.error);
+                case Event::closed: return head.on_closed();  // the coordinator closed, or vanished
             }
-            case Event::failure: fail(ev.error); break;
-            case Event::closed:
-                closed = true;
-                done = true;
-                break;
-        }
-        return done;
-    };
-    // the first request goes in before the reader starts: the coordinator sends its chunks back
-    // to back, and the second must not overtake the first
-    flow->push(Event{Event::request, std::move(first), {}, {}});
-    std::thread upstream([&] {
-        dgr::v1::ForwardRequest r;
-        while (stream->Read(&r)) flow->push(Event{Event::request, std::move(r), {}, {}});
-        flow->push(Event{Event::closed, {}, {}, {}});
-    });
-    flow->wait_over();
-    if (drafts) {  // for the route's next generation
-        StepCosts costs = drafts->costs();
-        costs.head = head_s;
-        draft_costs_.put(costs_key, costs);
-    }
-    if (!closed) ctx->TryCancel();  // ends the reader's Read (the error reply is already written)
-    upstream.join();
-    down.reset();
+            return true;
+        };
+        // the first request goes in before the reader starts: the coordinator sends its chunks
+        // back to back, and the second must not overtake the first
+        flow->push(Event{Event::request, std::move(first), {}, {}});
+        std::thread upstream([&] {
+            dgr::v1::ForwardRequest r;
+            while (stream->Read(&r)) flow->push(Event{Event::request, std::move(r), {}, {}});
+            flow->push(Event{Event::closed, {}, {}, {}});
+        });
+        flow->wait_over();
+        result = head.result();
+        if (!head.closed()) ctx->TryCancel();  // ends the reader's Read (the error reply is already written)
+        upstream.join();
+    }  // the route's step costs kept for its next generation
+    port.close_link();
     {
         std::lock_guard<std::mutex> lock(mutex_);
         auto it = flows_.find(session);
@@ -741,20 +503,6 @@ Status ShardService::forward_head(grpc::ServerContext * ctx, Stream * stream, dg
     }
     release(session, epoch);
     return result;
-}
-
-Status ShardService::check_drafts(const std::vector<int32_t> & drafts) const {
-    if (drafts.size() > kMaxDraft) {
-        return Status(StatusCode::INVALID_ARGUMENT,
-                      "drafts: " + std::to_string(drafts.size()) + " came with a token, at most " + std::to_string(kMaxDraft));
-    }
-    for (int32_t d : drafts) {
-        if (d < 0 || d >= desc_.n_vocab) {
-            return Status(StatusCode::INVALID_ARGUMENT,
-                          "drafts: token id " + std::to_string(d) + " outside the vocabulary of " + std::to_string(desc_.n_vocab));
-        }
-    }
-    return Status::OK;
 }
 
 uint32_t ShardService::peers_behind(const HeadFlow * me, int64_t sent_ns) {

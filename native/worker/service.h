@@ -126,13 +126,12 @@ public:
 
 private:
     using Stream = grpc::ServerReaderWriter<dgr::v1::ForwardReply, dgr::v1::ForwardRequest>;
+    class HeadStream;  // the head's HeadPort over the coordinator's stream (head_session.h)
     grpc::Status compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers,
                              StepCheck & check);
     // the head: sessions whose step left this head after `me`'s, at most the gather window after:
     // their tokens come back that soon after `me`'s, and its next step waits for them
     uint32_t peers_behind(const HeadFlow * me, int64_t sent_ns);
-    // the head: MTP drafts that came back with a token (at most kMaxDraft, inside the vocabulary)
-    grpc::Status check_drafts(const std::vector<int32_t> & drafts) const;
     grpc::Status relay(grpc::ServerContext * ctx, Stream * stream, dgr::v1::ForwardRequest req);
     grpc::Status forward_stage(Upstream & stream, dgr::v1::ForwardRequest req);
     grpc::Status serve_data_stream(DataUpstream & up);

@@ -121,7 +121,10 @@ uint64_t route_lineage(const dgr::v1::RouteSpec & route) {
     return h == 0 ? 1 : h;
 }
 
-Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Description & desc, DecodedForward * out) {
+namespace {
+
+// the fields every request is checked for, whatever stage takes it
+Status check_fields(const dgr::v1::ForwardRequest & req, const dgr::Description & desc) {
     const auto & exp = req.expect();
     const int n_tok_ids = req.token_ids_size();
     if (req.boundary_dtype() != dgr::v1::DTYPE_UNSPECIFIED && !from_wire(req.boundary_dtype())) {
@@ -163,42 +166,19 @@ Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Descriptio
         return invalid("token_ids: " + std::to_string(n_tok_ids) + " ids, at most " + std::to_string(desc.n_batch) +
                        " per message");
     }
-    dgr::ForwardRequest & fr = out->engine;
-    fr.session = req.session_id();
-    fr.epoch = exp.epoch();
-    fr.n_past = (int32_t) exp.n_past();
-    fr.truncate = exp.truncate();
-    fr.reuse = exp.reuse();
-    if (req.has_route()) fr.lineage = route_lineage(req.route());
     if (exp.reuse()) {
         if (!req.has_route()) return invalid("expect.reuse: prefix reuse is a forward-mode field, on a request without route");
         if (exp.n_past() < 1 || exp.prefix_hash() == 0 || n_tok_ids < 1) {
             return invalid("expect.reuse: needs the reused prefix's n_past (> 0) and prefix_hash, and the token ids after it");
         }
     }
-    fr.logits_all = req.n_draft() > 0;  // the tail verifies every drafted position
-    fr.verify = req.n_draft() > 0;
-    if (req.draft().source() == dgr::v1::DRAFT_SOURCE_MTP) {
-        if (!req.has_route()) return invalid("draft: speculative decoding is a forward-mode field, on a request without route");
-        if (desc.is_tail && !desc.mtp) {
-            return Status(StatusCode::FAILED_PRECONDITION,
-                          "draft.source: MTP drafts come from the tail's MTP block, and this tail does not serve it "
-                          "(start it with --mtp)");
-        }
-        if (desc.is_tail && n_tok_ids < 1) {
-            return invalid("token_ids: the tail's MTP block pairs each residual with its token: the sideband is needed");
-        }
-        fr.mtp = desc.is_tail;  // the tail's MTP cache follows every forward of the session
-    }
-    out->tokens.assign(req.token_ids().begin(), req.token_ids().end());
-    if (desc.is_head) {
-        if (n_tok_ids < 1) return invalid("token_ids: the head stage needs token ids");
-        if (req.has_boundary()) return invalid("boundary: the head stage takes token ids");
-        fr.tokens = out->tokens.data();
-        fr.n_tokens = n_tok_ids;
-        out->out_dtype = from_wire(req.boundary_dtype()).value_or(dgr::DType::f32);
-        return Status::OK;
-    }
+    return Status::OK;
+}
+
+// a stage after the head: its boundary, checked against this stage's shape, size, checksum and
+// for values that are not finite
+Status decode_boundary(const dgr::v1::ForwardRequest & req, const dgr::Description & desc, DecodedForward * out) {
+    const int n_tok_ids = req.token_ids_size();
     if (!req.has_boundary()) return invalid("boundary: missing for a stage after the head");
     const auto & b = req.boundary();
     if (b.shape_size() != 3) return invalid("boundary.shape: expected [n_tokens, hc, n_embd]");
@@ -228,12 +208,50 @@ Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Descriptio
     if (n_tok_ids != 0 && (uint64_t) n_tok_ids != n) {
         return invalid("token_ids: sideband length differs from the boundary's n_tokens");
     }
+    dgr::ForwardRequest & fr = out->engine;
     fr.boundary = b.payload().data();
     fr.boundary_dtype = *wire;
     fr.n_tokens = (int32_t) n;
     if (n_tok_ids > 0) fr.tokens = out->tokens.data();  // the sideband for hash-routed layers
     // the coordinator's choice of output dtype; else the dtype this stage was sent
     out->out_dtype = from_wire(req.boundary_dtype()).value_or(*wire);
+    return Status::OK;
+}
+
+}  // namespace
+
+Status decode_forward(const dgr::v1::ForwardRequest & req, const dgr::Description & desc, DecodedForward * out) {
+    if (Status st = check_fields(req, desc); !st.ok()) return st;
+    const auto & exp = req.expect();
+    const int n_tok_ids = req.token_ids_size();
+    dgr::ForwardRequest & fr = out->engine;
+    fr.session = req.session_id();
+    fr.epoch = exp.epoch();
+    fr.n_past = (int32_t) exp.n_past();
+    fr.truncate = exp.truncate();
+    fr.reuse = exp.reuse();
+    if (req.has_route()) fr.lineage = route_lineage(req.route());
+    fr.logits_all = req.n_draft() > 0;  // the tail verifies every drafted position
+    fr.verify = req.n_draft() > 0;
+    if (req.draft().source() == dgr::v1::DRAFT_SOURCE_MTP) {
+        if (!req.has_route()) return invalid("draft: speculative decoding is a forward-mode field, on a request without route");
+        if (desc.is_tail && !desc.mtp) {
+            return Status(StatusCode::FAILED_PRECONDITION,
+                          "draft.source: MTP drafts come from the tail's MTP block, and this tail does not serve it "
+                          "(start it with --mtp)");
+        }
+        if (desc.is_tail && n_tok_ids < 1) {
+            return invalid("token_ids: the tail's MTP block pairs each residual with its token: the sideband is needed");
+        }
+        fr.mtp = desc.is_tail;  // the tail's MTP cache follows every forward of the session
+    }
+    out->tokens.assign(req.token_ids().begin(), req.token_ids().end());
+    if (!desc.is_head) return decode_boundary(req, desc, out);
+    if (n_tok_ids < 1) return invalid("token_ids: the head stage needs token ids");
+    if (req.has_boundary()) return invalid("boundary: the head stage takes token ids");
+    fr.tokens = out->tokens.data();
+    fr.n_tokens = n_tok_ids;
+    out->out_dtype = from_wire(req.boundary_dtype()).value_or(dgr::DType::f32);
     return Status::OK;
 }
 
