@@ -6,6 +6,7 @@
 // speed. SIGTERM/SIGINT drain: new streams are refused, in-flight requests finish (bounded by
 // --drain-seconds), then the process exits 0.
 #include "dgr/shard_engine.h"
+#include "options.h"
 #include "service.h"
 #include "tokenizer.h"
 
@@ -22,9 +23,7 @@
 #include <sched.h>
 #include <cstdlib>
 #include <unistd.h>
-#include <fstream>
 #include <iostream>
-#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,157 +32,7 @@ namespace {
 
 std::atomic<bool> g_stop{false};
 
-struct Args {
-    std::string model, listen = "127.0.0.1:0";
-    int32_t first = 0, last = -1, threads = 2, n_ctx = 2048, n_batch = 512, max_sessions = 4;
-    int drain_seconds = 10;
-    int poll = 50;     // ggml threadpool spin level while a forward is in flight: the pool wakes as
-                       // the forward starts and polls for its graph (0: it sleeps until the graph
-                       // wakes it); between forwards it sleeps whatever this says
-    int prio = 0;      // compute threads' priority, as llama.cpp's --prio (0 normal .. 3 realtime);
-                       // -1 (auto, opt-in): 1 where allowed and the host's workers take turns (below)
-    int rollback = 16; // rejected drafts one forward may drop where state is not positional (V4)
-    // owned layers on the lane's device: all of them (-1) on a build of another lane than the CPU
-    int gpu_layers = std::string(dgr::build_info().lane) == "cpu" ? 0 : -1;
-    bool mtp = false;  // the tail serves the MTP (nextn) block and drafts with it
-    int cache_sessions = -1;      // prefix reuse: finished sessions kept (-1: max_sessions)
-    uint64_t cache_bytes = 0;     // and the most KV they hold (0: no bound but the count)
-    bool batch_invariant = true;  // --kernels invariant (default) or stock
-    bool warmup = true;
-    int keepalive_ms = dgr::worker::kKeepaliveMs;  // every link, both sides
-    bool data_links = true;  // forward mode's links to plaintext peers: data streams (else gRPC calls)
-    int max_data_streams = 0;  // data streams served at once (0: 4 per session slot + 16)
-    std::string compute_slots = "auto";  // a directory, "auto" or "none"
-    bool pin = true;  // each forward's compute threads on the cores of its compute slot (slots.h)
-    std::string metrics_listen;          // HOST:PORT for /metrics and /metrics.json (empty: off)
-    std::string tls_cert, tls_key, tls_client_ca, peer_ca;  // PEM contents
-    dgr::worker::ServiceOptions service;
-};
-
-std::string read_file(const std::string & path, const std::string & option) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw std::invalid_argument(option + ": cannot read " + path);
-    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-int to_int(const std::string & option, const std::string & value, int lo, int hi) {
-    size_t used = 0;
-    long v = 0;
-    try {
-        v = std::stol(value, &used);
-    } catch (const std::exception &) {
-        used = 0;
-    }
-    if (used != value.size() || v < lo || v > hi) {
-        throw std::invalid_argument(option + ": " + value + " is not an integer in [" + std::to_string(lo) + ", " +
-                                    std::to_string(hi) + "]");
-    }
-    return (int) v;
-}
-
-// a byte count: digits with an optional K, M or G suffix (binary units), at most 1 TiB
-uint64_t parse_bytes(const std::string & option, const std::string & value) {
-    static const std::string kSuffixes = "KMG";
-    std::string digits = value;
-    int shift = 0;
-    if (!digits.empty() && kSuffixes.find(digits.back()) != std::string::npos) {
-        shift = 10 * (int) (kSuffixes.find(digits.back()) + 1);
-        digits.pop_back();
-    }
-    const bool ok = !digits.empty() && digits.size() <= 13 && std::all_of(digits.begin(), digits.end(), ::isdigit);
-    const uint64_t v = ok ? std::stoull(digits) << shift : 0;
-    if (!ok || v > (1ull << 40) || (shift > 0 && (v >> shift) != std::stoull(digits))) {
-        throw std::invalid_argument(option + ": " + value + " is not a byte count (digits, then K, M or G) up to 1T");
-    }
-    return v;
-}
-
-// NAME@HEX as dgr_artifacts.recipe.Recipe.id makes it: at most 128 characters of [A-Za-z0-9._@-]
-std::string recipe_id(const std::string & value) {
-    const bool ok = !value.empty() && value.size() <= 128 &&
-                    std::all_of(value.begin(), value.end(), [](unsigned char c) {
-                        return std::isalnum(c) || c == '.' || c == '_' || c == '@' || c == '-';
-                    });
-    if (!ok) throw std::invalid_argument("--recipe-id: " + value + " is not 1-128 characters of [A-Za-z0-9._@-]");
-    return value;
-}
-
-void parse_args(int argc, char ** argv, Args & a) {
-    for (int i = 1; i < argc; ++i) {
-        const std::string k = argv[i];
-        auto val = [&]() -> std::string {
-            if (i + 1 >= argc) throw std::invalid_argument(k + " needs a value");
-            return argv[++i];
-        };
-        constexpr int kMax = 1 << 24;
-        if (k == "--model") a.model = val();
-        else if (k == "--layers") {
-            const std::string v = val();
-            const auto colon = v.find(':');
-            if (colon == std::string::npos) throw std::invalid_argument("--layers takes FIRST:LAST");
-            a.first = to_int("--layers", v.substr(0, colon), 0, kMax);
-            a.last = to_int("--layers", v.substr(colon + 1), -1, kMax);
-        } else if (k == "--listen") a.listen = val();
-        else if (k == "--threads") a.threads = to_int(k, val(), 1, 512);
-        else if (k == "--n-ctx") a.n_ctx = to_int(k, val(), 1, kMax);
-        else if (k == "--n-batch") a.n_batch = to_int(k, val(), 1, kMax);
-        else if (k == "--max-sessions") a.max_sessions = to_int(k, val(), 1, 4096);
-        else if (k == "--max-message-bytes") a.service.max_message_bytes = (uint64_t) to_int(k, val(), 1024, INT32_MAX / 2);
-        else if (k == "--max-queue") a.service.max_queue = to_int(k, val(), 0, 1 << 20);
-        else if (k == "--max-batch") a.service.max_batch = to_int(k, val(), 1, 4096);
-        else if (k == "--gather-us") a.service.gather_us = to_int(k, val(), 0, 1000 * 1000);
-        else if (k == "--draft-part-rows") {
-            a.service.draft_part_rows = to_int(k, val(), 0, 64);
-            if (a.service.draft_part_rows == 1) throw std::invalid_argument("--draft-part-rows: 0 (whole steps) or 2..64");
-        }
-        else if (k == "--keepalive-ms") a.keepalive_ms = to_int(k, val(), 200, 3600 * 1000);
-        else if (k == "--model-fingerprint") a.service.fingerprint = val();
-        else if (k == "--recipe-id") a.service.recipe = recipe_id(val());
-        else if (k == "--drain-seconds") a.drain_seconds = to_int(k, val(), 0, 3600);
-        else if (k == "--poll") a.poll = to_int(k, val(), 0, 100);
-        else if (k == "--prio") {
-            const std::string v = val();
-            a.prio = v == "auto" ? -1 : to_int(k, v, 0, 3);
-        }
-        else if (k == "--rollback") a.rollback = to_int(k, val(), 0, 64);
-        else if (k == "--gpu-layers") a.gpu_layers = to_int(k, val(), -1, 4096);
-        else if (k == "--mtp") a.mtp = true;
-        else if (k == "--prefix-cache-sessions") a.cache_sessions = to_int(k, val(), 0, 4096);
-        else if (k == "--prefix-cache-bytes") a.cache_bytes = parse_bytes(k, val());
-        else if (k == "--kernels") {
-            const std::string v = val();
-            if (v != "invariant" && v != "stock") throw std::invalid_argument("--kernels: invariant or stock, not " + v);
-            a.batch_invariant = v == "invariant";
-        }
-        else if (k == "--no-warmup") a.warmup = false;
-        else if (k == "--compute-slots") a.compute_slots = val();
-        else if (k == "--pin") {
-            const std::string v = val();
-            if (v != "on" && v != "off") throw std::invalid_argument("--pin: on or off, not " + v);
-            a.pin = v == "on";
-        }
-        else if (k == "--links") {
-            const std::string v = val();
-            if (v != "data" && v != "grpc") throw std::invalid_argument("--links: data or grpc, not " + v);
-            a.data_links = v == "data";
-        }
-        else if (k == "--metrics-listen") a.metrics_listen = val();
-        else if (k == "--max-data-streams") a.max_data_streams = to_int(k, val(), 1, 65536);
-        else if (k == "--auth-token-file") {
-            std::string token = read_file(val(), k);
-            while (!token.empty() && (token.back() == '\n' || token.back() == '\r' || token.back() == ' ')) token.pop_back();
-            if (token.empty()) throw std::invalid_argument("--auth-token-file: the file holds no token");
-            a.service.token = token;
-        } else if (k == "--tls-cert") a.tls_cert = read_file(val(), k);
-        else if (k == "--tls-key") a.tls_key = read_file(val(), k);
-        else if (k == "--tls-client-ca") a.tls_client_ca = read_file(val(), k);
-        else if (k == "--peer-ca") a.peer_ca = read_file(val(), k);
-        else throw std::invalid_argument("unknown option " + k);
-    }
-    if (a.model.empty()) throw std::invalid_argument("--model is required");
-    if (a.tls_cert.empty() != a.tls_key.empty()) throw std::invalid_argument("--tls-cert and --tls-key go together");
-    if (!a.tls_client_ca.empty() && a.tls_cert.empty()) throw std::invalid_argument("--tls-client-ca needs --tls-cert and --tls-key");
-}
+using Args = dgr::worker::WorkerOptions;
 
 // Whether this process may give its threads a realtime policy (CAP_SYS_NICE, or RLIMIT_RTPRIO):
 // tried on a thread of its own, so that no thread of the worker keeps it.
@@ -251,29 +100,8 @@ int main(int argc, char ** argv) {
     // gRPC's handler threads come and go with the streams, so a long-running worker's RSS would
     // creep up arena by arena. A few shared arenas keep it flat (the soak checks it).
     mallopt(M_ARENA_MAX, 2);
-    for (int i = 1; i < argc; ++i) {
-        if (std::string(argv[i]) == "--version") {  // the build identity Describe reports
-            const dgr::BuildInfo & b = dgr::build_info();
-            std::cout << "dgr-shard-worker llama.cpp " << b.llama_commit << " patches " << b.patch_stack_sha256
-                      << " lane " << b.lane << " schema " << b.schema_version << "\n";
-            return 0;
-        }
-    }
     Args args;
-    try {
-        parse_args(argc, argv, args);
-    } catch (const std::exception & e) {
-        std::cerr << "dgr-shard-worker: " << e.what() << "\n"
-                  << "usage: dgr-shard-worker --model PATH --layers FIRST:LAST [--listen HOST:PORT] [--threads N]\n"
-                     "  [--n-ctx N] [--n-batch N] [--max-sessions N] [--max-message-bytes N] [--max-queue N] [--max-batch N] [--gather-us N]\n"
-                     "  [--draft-part-rows 0|2-64]\n"
-                     "  [--model-fingerprint HEX] [--recipe-id ID] [--drain-seconds N] [--version]\n"
-                     "  [--poll 0-100] [--prio auto|0-3] [--rollback 0-64] [--gpu-layers N|-1] [--no-warmup] [--compute-slots DIR|auto|none] [--pin on|off] [--mtp] [--auth-token-file F]\n"
-                     "  [--metrics-listen HOST:PORT] [--links data|grpc] [--max-data-streams N]\n"
-                     "  [--prefix-cache-sessions N] [--prefix-cache-bytes N[K|M|G]] [--kernels invariant|stock]\n"
-                     "  [--tls-cert F --tls-key F [--tls-client-ca F]] [--peer-ca F] [--keepalive-ms N]\n";
-        return 2;
-    }
+    if (const int code = dgr::worker::parse_options(argc, argv, args); code >= 0) return code;
     // compute slots shared with the other workers of this host (slots.h); "auto": a directory per
     // user and thread count under the temporary directory
     if (args.compute_slots != "none") {

@@ -47,7 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # a command that passes the options it does not know on (`dgr worker`: to the worker, whose
+    # option table is the only one) gets them as args.unknown; any other command refuses them
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "forwards_unknown", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.unknown = unknown
     code: int = args.func(args)
     return code
 

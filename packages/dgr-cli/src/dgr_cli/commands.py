@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -51,70 +52,23 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from dgr_route.engine import EngineNotFound, locate
     from pydantic import ValidationError
 
+    rest: list[str] = args.unknown
+    try:
+        worker = locate(args.lane)
+    except EngineNotFound as exc:
+        print(f"dgr worker: {exc}", file=sys.stderr)
+        return 2
+    if args.help:
+        print(args.parser.format_help())
+        print("dgr-shard-worker's options, passed on as given:", flush=True)
+        return subprocess.call([str(worker.worker), "--help"])
     model = model_arg(args.model)
     try:
         layers, descriptor = worker_layers(args, model)
-        worker = locate(args.lane)
-    except (ValueError, ValidationError, OSError, EngineNotFound, ArtifactError) as exc:
+    except (ValueError, ValidationError, OSError, ArtifactError) as exc:
         print(f"dgr worker: {exc}", file=sys.stderr)
         return 2
-    cmd = [
-        str(worker.worker),
-        "--model",
-        str(model),
-        "--layers",
-        layers,
-        "--listen",
-        args.listen,
-        "--threads",
-        str(args.threads),
-        "--max-sessions",
-        str(args.max_sessions),
-        "--n-ctx",
-        str(args.n_ctx),
-        *descriptor,
-        "--max-queue",
-        str(args.max_queue),
-        "--max-batch",
-        str(args.max_batch),
-        *[
-            arg
-            for flag, value in [
-                ("--tls-cert", args.tls_cert),
-                ("--tls-key", args.tls_key),
-                ("--tls-client-ca", args.tls_client_ca),
-                ("--auth-token-file", args.auth_token_file),
-                ("--peer-ca", args.peer_ca),
-                ("--metrics-listen", args.metrics_listen),
-            ]
-            if value
-            for arg in (flag, str(value))
-        ],
-        *(["--gather-us", str(args.gather_us)] if args.gather_us is not None else []),
-        *(
-            ["--draft-part-rows", str(args.draft_part_rows)]
-            if args.draft_part_rows is not None
-            else []
-        ),
-        # 0 is a value here (the worker's default off the CPU lane is all layers)
-        *(["--gpu-layers", str(args.gpu_layers)] if args.gpu_layers is not None else []),
-        *(["--mtp"] if args.mtp else []),
-        *(
-            ["--max-data-streams", str(args.max_data_streams)]
-            if args.max_data_streams is not None
-            else []
-        ),
-        *(
-            ["--prefix-cache-sessions", str(args.prefix_cache_sessions)]
-            if args.prefix_cache_sessions is not None
-            else []
-        ),
-        *(["--prefix-cache-bytes", args.prefix_cache_bytes] if args.prefix_cache_bytes else []),
-        "--kernels",
-        args.kernels,
-        "--links",
-        args.links,
-    ]
+    cmd = [str(worker.worker), "--model", str(model), "--layers", layers, *descriptor, *rest]
     os.execv(cmd[0], cmd)  # the worker replaces this process: signals reach it directly
 
 
@@ -255,114 +209,27 @@ def add_route_options(p: argparse.ArgumentParser) -> None:
 
 
 def register_worker(sub: Any) -> None:
-    p = sub.add_parser("worker", help="serve one layer range of a model over gRPC")
+    p = sub.add_parser(
+        "worker",
+        help="serve one layer range of a model over gRPC",
+        description="Start dgr-shard-worker on a layer range of a model. dgr resolves the options "
+        "below (a registered model's name, a recipe's node, the lane's build) and passes every "
+        "other option to the worker as given: the worker's own table (`dgr worker --help` lists "
+        "it after these) is the only one. --check-args prints the options as resolved and exits.",
+        add_help=False,
+        allow_abbrev=False,
+    )
+    p.add_argument("-h", "--help", action="store_true", help="this help, then the worker's options")
     p.add_argument("--model", default="smollm2-135m-q4_1", help="GGUF path or registered name")
     p.add_argument("--layers", help="FIRST:LAST (half-open); or --recipe and --node")
     p.add_argument("--recipe", type=Path, help="a recipe (dgr plan --recipe-out), checked first")
     p.add_argument("--node", help="which of the recipe's stages this worker serves")
-    p.add_argument("--listen", default="127.0.0.1:0")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--max-sessions", type=int, default=4)
-    p.add_argument("--n-ctx", type=int, default=2048)
     p.add_argument(
         "--lane",
         help="the backend to compute on (cpu, vulkan, ...; default: the installed engine's); "
         "refused when no engine is built for it",
     )
-    p.add_argument(
-        "--gpu-layers",
-        type=int,
-        help="owned layers on the lane's device (-1: all; default: all off the CPU lane, else 0)",
-    )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=16,
-        help="forwards that may wait behind the one computing; more get RESOURCE_EXHAUSTED",
-    )
-    p.add_argument(
-        "--max-batch",
-        type=int,
-        default=16,
-        help="sessions' decode steps computed together in one llama_decode (1: FIFO turns)",
-    )
-    p.add_argument(
-        "--gather-us",
-        type=int,
-        default=None,
-        metavar="US",
-        help="forward mode: how long a decode step that arrives with batch-mates from the stage "
-        "before waits for the rest of them (default: the worker's own; 0: never waits)",
-    )
-    p.add_argument(
-        "--draft-part-rows",
-        type=int,
-        default=None,
-        metavar="N",
-        help="the head, behind slow links: a drafted step of more rows goes in parts of about N "
-        "rows that the stages pipeline (default: the worker's own, 2; 0: steps go whole)",
-    )
-    p.add_argument(
-        "--mtp",
-        action="store_true",
-        help="the tail also serves the model's MTP (nextn) block and drafts with it (--draft mtp)",
-    )
-    p.add_argument(
-        "--prefix-cache-sessions",
-        type=int,
-        default=None,
-        metavar="N",
-        help="prefix reuse: finished sessions whose KV the worker keeps, least recently used out "
-        "first, in slots no live session needs (default: --max-sessions; 0: none kept)",
-    )
-    p.add_argument(
-        "--prefix-cache-bytes",
-        metavar="N[K|M|G]",
-        help="prefix reuse: the most KV the kept sessions may hold (default: no bound but "
-        "their number; the KV buffer is allocated whole at start, so keeping never grows memory)",
-    )
-    p.add_argument(
-        "--kernels",
-        choices=("invariant", "stock"),
-        default="invariant",
-        help="invariant (default): a sequence's values do not depend on the batch it computes "
-        "in (batched decode equals solo decode, a reused prefix equals a full prefill, bit for "
-        "bit); stock: ggml's batch-shaped kernels",
-    )
-    p.add_argument(
-        "--links",
-        choices=("data", "grpc"),
-        default="data",
-        help="forward mode's links to plaintext peers: framed TCP streams on the workers' own "
-        "ports (data, the default) or gRPC calls (TLS peers always use gRPC)",
-    )
-    p.add_argument(
-        "--max-data-streams",
-        type=int,
-        default=None,
-        metavar="N",
-        help="data streams the worker serves at once; past it a stream is refused "
-        "(default: 4 per session slot + 16)",
-    )
-    p.add_argument("--tls-cert", type=Path, help="PEM server certificate (serve TLS)")
-    p.add_argument("--tls-key", type=Path, help="PEM key of the server certificate")
-    p.add_argument(
-        "--tls-client-ca", type=Path, help="PEM CA clients' certificates must chain to (mTLS)"
-    )
-    p.add_argument("--auth-token-file", type=Path, help="require this bearer token on every call")
-    p.add_argument(
-        "--metrics-listen",
-        metavar="HOST:PORT",
-        help="serve Prometheus metrics at /metrics and a JSON view at /metrics.json",
-    )
-    p.add_argument(
-        "--peer-ca",
-        type=Path,
-        help="PEM CA that signed the other workers' certificates (default: --tls-client-ca, else "
-        "the system's trust store); a worker with --tls-cert reaches its next stage and the head "
-        "over TLS only, with its own certificate and token",
-    )
-    p.set_defaults(func=cmd_worker)
+    p.set_defaults(func=cmd_worker, forwards_unknown=True, parser=p)
 
 
 def register_generate(sub: Any) -> None:
