@@ -370,3 +370,26 @@ TEST_CASE("Listener refuses an address it cannot use, naming it") {
     CHECK_THROWS_WITH_AS(Listener("nonsense", ListenerLimits{}), doctest::Contains("not HOST:PORT: nonsense"),
                          std::invalid_argument);
 }
+
+TEST_CASE("a HELLO names the data-plane version and capabilities, and another version or an unknown capability is refused") {
+    const dgr::v1::DataHello mine = make_hello(dgr::v1::DATA_STREAM_LOOP, "t");
+    CHECK(mine.version() == kDataVersion);
+    CHECK(mine.token() == "t");
+    CHECK(mine.capabilities_size() == (int) data_capabilities().size());
+    CHECK(check_hello(mine).ok());
+    dgr::v1::DataHello old = mine;
+    old.clear_version();  // from before the field: version 1
+    old.clear_capabilities();
+    CHECK(check_hello(old).ok());
+    dgr::v1::DataHello newer = mine;
+    newer.set_version(kDataVersion + 1);
+    auto st = check_hello(newer);
+    CHECK(st.error_code() == StatusCode::FAILED_PRECONDITION);
+    CHECK(st.error_message().find("data-plane version 2, this worker version 1") != std::string::npos);
+    dgr::v1::DataHello odd = mine;
+    odd.add_capabilities("teleport");
+    st = check_hello(odd);
+    CHECK(st.error_code() == StatusCode::FAILED_PRECONDITION);
+    CHECK(st.error_message().find("capability 'teleport'") != std::string::npos);
+    CHECK(st.error_message().find("cohorts") != std::string::npos);  // what this worker has
+}

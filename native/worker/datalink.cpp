@@ -82,6 +82,42 @@ Status decode_frame_header(const uint8_t * header, uint64_t max_payload, dgr::v1
     return Status::OK;
 }
 
+const std::vector<std::string> & data_capabilities() {
+    static const std::vector<std::string> kCapabilities = {"cohorts", "draft-parts", "prefix-reuse", "mtp"};
+    return kCapabilities;
+}
+
+dgr::v1::DataHello make_hello(dgr::v1::DataStream stream, const std::string & token) {
+    dgr::v1::DataHello hello;
+    hello.set_stream(stream);
+    hello.set_token(token);
+    hello.set_version(kDataVersion);
+    for (const auto & c : data_capabilities()) hello.add_capabilities(c);
+    return hello;
+}
+
+Status check_hello(const dgr::v1::DataHello & hello) {
+    const uint32_t version = hello.version() == 0 ? 1 : hello.version();
+    if (version != kDataVersion) {
+        return Status(StatusCode::FAILED_PRECONDITION,
+                      "data stream: the peer speaks data-plane version " + std::to_string(version) +
+                          ", this worker version " + std::to_string(kDataVersion) +
+                          " (every stage of a route runs the same DGR build)");
+    }
+    const auto & mine = data_capabilities();
+    for (const std::string & c : hello.capabilities()) {
+        if (std::find(mine.begin(), mine.end(), c) == mine.end()) {
+            std::string have;
+            for (const auto & m : mine) have += (have.empty() ? "" : ", ") + m;
+            return Status(StatusCode::FAILED_PRECONDITION,
+                          "data stream: the peer's HELLO needs capability '" + c.substr(0, 64) +
+                              "', which this worker (data-plane version " + std::to_string(kDataVersion) +
+                              ": " + have + ") lacks");
+        }
+    }
+    return Status::OK;
+}
+
 FrameConn::FrameConn(int fd, int keepalive_ms, uint64_t max_payload)
     : fd_(fd), keepalive_ms_(keepalive_ms), max_payload_(max_payload), last_sent_ms_(now_ms()) {
     tune(fd_, keepalive_ms_);

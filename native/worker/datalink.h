@@ -32,6 +32,16 @@
 namespace dgr::worker {
 
 constexpr char kDataMagic[4] = {'D', 'G', 'R', '1'};
+// The data plane's protocol version (DataHello.version) and what this build's streams may carry
+// beyond its frames (DataHello.capabilities): cohorts of batched steps, drafted steps in parts,
+// prefix reuse, MTP drafts
+constexpr uint32_t kDataVersion = 1;
+const std::vector<std::string> & data_capabilities();
+// the HELLO a connecting side of this build sends for `stream`
+dgr::v1::DataHello make_hello(dgr::v1::DataStream stream, const std::string & token);
+// a HELLO this worker can serve: its version (FAILED_PRECONDITION naming both versions) and every
+// capability it lists (FAILED_PRECONDITION naming the one this worker lacks)
+grpc::Status check_hello(const dgr::v1::DataHello & hello);
 constexpr size_t kFrameHeader = 5;  // uint32 little-endian payload length, one DataFrame byte
 
 // HOST:PORT or [V6]:PORT into its host (brackets dropped) and port; false when it is neither

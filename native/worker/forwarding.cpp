@@ -106,6 +106,16 @@ dgr::v1::StageError stage_error(uint32_t stage, const std::string & address, con
     return e;
 }
 
+dgr::v1::StageError relayed_error(dgr::v1::StageError e) {
+    if (e.code() < 1 || e.code() > 16) {
+        e.set_message("(the stage sent status code " + std::to_string(e.code()) + ", not a gRPC error) " + e.message());
+        e.set_code((int32_t) grpc::StatusCode::UNKNOWN);
+    }
+    if (e.message().size() > 4096) e.mutable_message()->resize(4096);
+    if (e.address().size() > 255) e.mutable_address()->resize(255);
+    return e;
+}
+
 DownstreamLink::DownstreamLink(Peers & peers, const std::string & address, uint32_t stage, OnError on_error)
     : address_(address), stage_(stage), on_error_(std::move(on_error)) {
     peers.prepare(ctx_);
@@ -122,7 +132,7 @@ void DownstreamLink::read_until_end() {
     while (stream_->Read(&reply)) {
         if (reply.has_error() && !reported) {
             reported = true;
-            on_error_(reply.error());
+            on_error_(relayed_error(reply.error()));
         }
     }
     grpc::Status status;
@@ -185,13 +195,37 @@ std::unique_ptr<TokenReturn> Peers::token_return(const std::string & address, On
     return std::make_unique<LoopLink>(*this, address);  // a failed write is reported by the tail
 }
 
+grpc::Status read_stage_stream(FrameConn & conn, const std::function<void(const dgr::v1::StageError &)> & on_relayed) {
+    for (;;) {
+        dgr::v1::DataFrame kind{};
+        std::string payload;
+        bool ended = false;
+        if (grpc::Status st = conn.receive(&kind, &payload, &ended); !st.ok()) return st;
+        if (ended) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the stage closed the data stream without ending it");
+        if (kind == dgr::v1::DATA_FRAME_END) {
+            dgr::v1::DataEnd end;
+            if (!end.ParseFromString(payload)) {
+                return grpc::Status(grpc::StatusCode::INTERNAL, "the stage ended its data stream with an END that does not parse");
+            }
+            if (end.code() <= 0 || end.code() > 16) {  // OK, or not a gRPC status code
+                return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                    end.code() == 0 ? "the stage ended the stream"
+                                                    : "the stage ended the stream with status " + std::to_string(end.code()) +
+                                                          ", not a gRPC status code");
+            }
+            return grpc::Status((grpc::StatusCode) end.code(), end.message().substr(0, 4096));
+        }
+        dgr::v1::ForwardReply reply;
+        if (kind == dgr::v1::DATA_FRAME_REPLY && reply.ParseFromString(payload) && reply.has_error()) {
+            on_relayed(relayed_error(reply.error()));
+        }
+    }
+}
+
 DataLink::DataLink(Peers & peers, const std::string & address, dgr::v1::DataStream kind, uint32_t stage,
                    Peers::OnError on_error)
     : options_(peers.options()), address_(address), kind_(kind), stage_(stage), on_error_(std::move(on_error)) {
-    dgr::v1::DataHello hello;
-    hello.set_stream(kind);
-    hello.set_token(options_.token);
-    reader_ = std::thread([this, hello] { run(hello); });
+    reader_ = std::thread([this, hello = make_hello(kind, options_.token)] { run(hello); });
 }
 
 bool DataLink::first_report() {
@@ -220,34 +254,9 @@ void DataLink::run(dgr::v1::DataHello hello) {
     cv_.notify_all();
     if (!conn) return report(grpc::Status(grpc::StatusCode::UNAVAILABLE, error));
     keep_alive(conn);
-    // errors relayed from further down come as REPLY frames; the stream ends with END
-    grpc::Status status(grpc::StatusCode::UNAVAILABLE, "the stage closed the data stream without ending it");
-    for (;;) {
-        dgr::v1::DataFrame kind{};
-        std::string payload;
-        bool ended = false;
-        grpc::Status st = conn->receive(&kind, &payload, &ended);
-        if (!st.ok()) {
-            status = st;
-            break;
-        }
-        if (ended) break;
-        if (kind == dgr::v1::DATA_FRAME_END) {
-            dgr::v1::DataEnd end;
-            if (!end.ParseFromString(payload)) {
-                status = grpc::Status(grpc::StatusCode::INTERNAL, "the stage ended its data stream with an END that does not parse");
-            } else if (end.code() == 0) {
-                status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the stage ended the stream");
-            } else {
-                status = grpc::Status((grpc::StatusCode) end.code(), end.message());
-            }
-            break;
-        }
-        dgr::v1::ForwardReply reply;
-        if (kind == dgr::v1::DATA_FRAME_REPLY && reply.ParseFromString(payload) && reply.has_error() && first_report()) {
-            on_error_(reply.error());  // not under our lock: it takes locks of its own
-        }
-    }
+    const grpc::Status status = read_stage_stream(*conn, [this](const dgr::v1::StageError & e) {
+        if (first_report()) on_error_(e);  // not under our lock: it takes locks of its own
+    });
     {
         std::lock_guard<std::mutex> lock(mutex_);
         ended_ = true;

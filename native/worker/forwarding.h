@@ -70,6 +70,16 @@ private:
 
 dgr::v1::StageError stage_error(uint32_t stage, const std::string & address, const grpc::Status & status);
 
+// A StageError relayed from further down the route, as it goes on upstream: a code that is not a
+// gRPC error becomes UNKNOWN (saying which it was), message and address bounded
+dgr::v1::StageError relayed_error(dgr::v1::StageError e);
+
+// The connecting side's reader of a data stream (DataLink): errors the stage relays from further
+// down come as REPLY frames, each handed to on_relayed; the stream ends with END. Returns the
+// status it ended with (never OK: a link the stage ended is over), bytes off the wire checked
+// (an END whose code is not a gRPC status is UNAVAILABLE saying so).
+grpc::Status read_stage_stream(FrameConn & conn, const std::function<void(const dgr::v1::StageError &)> & on_relayed);
+
 // whether every address HOST:PORT resolves to is this host's loopback (unix sockets count)
 bool loopback_address(const std::string & address);
 

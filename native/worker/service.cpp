@@ -222,12 +222,6 @@ Status ShardService::Health(grpc::ServerContext * ctx, const dgr::v1::HealthRequ
     return Status::OK;
 }
 
-Status ShardService::OpenSession(grpc::ServerContext * ctx, const dgr::v1::OpenSessionRequest *, dgr::v1::OpenSessionReply * reply) {
-    if (Status st = authorize(ctx); !st.ok()) return st;
-    reply->set_n_ctx((uint32_t) desc_.n_ctx);
-    return Status::OK;
-}
-
 Status ShardService::CloseSession(grpc::ServerContext * ctx, const dgr::v1::CloseSessionRequest * req, dgr::v1::CloseSessionReply *) {
     if (Status st = authorize(ctx); !st.ok()) return st;
     try {
@@ -563,6 +557,7 @@ Status ShardService::serve_data_stream(DataUpstream & up) {
         return ended ? Status(StatusCode::INVALID_ARGUMENT, "data stream: closed before its HELLO") : st;
     }
     if (Status st = check_token(hello.token()); !st.ok()) return st;
+    if (Status st = check_hello(hello); !st.ok()) return st;
     if (draining_.load()) return Status(StatusCode::UNAVAILABLE, "draining: not accepting new streams");
     switch (hello.stream()) {
         case dgr::v1::DATA_STREAM_FORWARD: {

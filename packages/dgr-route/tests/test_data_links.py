@@ -33,8 +33,12 @@ def frame(kind: int, payload: bytes = b"") -> bytes:
     return struct.pack("<IB", len(payload), kind) + payload
 
 
-def hello(stream: int, token: str = "") -> bytes:
-    message = pb.DataHello(stream=stream, token=token)
+def hello(
+    stream: int, token: str = "", version: int = 1, capabilities: tuple[str, ...] = ()
+) -> bytes:
+    message = pb.DataHello(
+        stream=stream, token=token, version=version, capabilities=list(capabilities)
+    )
     return b"DGR1" + frame(pb.DATA_FRAME_HELLO, message.SerializeToString())
 
 
@@ -99,6 +103,28 @@ def test_a_stream_without_the_token_is_refused(fleet: list[WorkerProcess]) -> No
     for token, what in (("", "missing authorization"), ("guess", "wrong bearer token")):
         end = end_of(stream(fleet[1], hello(pb.DATA_STREAM_FORWARD, token)))
         assert end.code == grpc.StatusCode.UNAUTHENTICATED.value[0] and what in end.message
+    assert fleet[1].sessions(token=TOKEN) == 0
+
+
+def test_a_hello_of_another_version_or_capability_is_refused_naming_it(
+    fleet: list[WorkerProcess],
+) -> None:
+    """The HELLO says which data-plane version the peer speaks and what its stream may carry: a
+    version other than the worker's is refused naming both, a capability the worker lacks by
+    name; version 0 (a HELLO from before the field) is version 1, and this build's own
+    capabilities are served."""
+    failed = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    end = end_of(stream(fleet[1], hello(pb.DATA_STREAM_FORWARD, TOKEN, version=2)))
+    assert end.code == failed, end
+    assert "data-plane version 2, this worker version 1" in end.message, end
+    end = end_of(stream(fleet[1], hello(pb.DATA_STREAM_FORWARD, TOKEN, capabilities=("teleport",))))
+    assert end.code == failed and "capability 'teleport'" in end.message, end
+    mine = ("cohorts", "draft-parts", "prefix-reuse", "mtp")
+    for version in (0, 1):
+        end = end_of(
+            stream(fleet[1], hello(pb.DATA_STREAM_FORWARD, TOKEN, version, capabilities=mine))
+        )
+        assert end.code == 0, end  # served: no request came, the stream ended cleanly
     assert fleet[1].sessions(token=TOKEN) == 0
 
 

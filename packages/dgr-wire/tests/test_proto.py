@@ -62,3 +62,27 @@ def test_cpp_code_generates_and_compiles(tmp_path: Path) -> None:
             ],
             check=True,
         )
+
+
+def test_retired_parts_stay_retired() -> None:
+    """What `dgr-proto retire` took out may not come back under its name, and a retired field's
+    number and name stay reserved: the lock as recorded passes, and each way of breaking it is
+    named."""
+    lock = json.loads((REPO / "proto" / "dgr" / "v1" / "shard.lock.json").read_text())
+    assert "OpenSession" in lock["retired"]["rpcs"]["ShardService"]
+    assert "positions" in lock["retired"]["fields"]["ForwardRequest"]
+    back = protolint.retire(lock, "message", "Boundary")  # as if Boundary had been retired
+    assert "message Boundary is retired: it may not come back" in protolint.compatibility_problems(
+        back
+    )
+    unreserved = json.loads(json.dumps(lock))
+    unreserved["retired"]["fields"]["ForwardRequest"]["chunk_index_old"] = [99, 13, False, ""]
+    problems = protolint.compatibility_problems(unreserved)
+    assert any("ForwardRequest.chunk_index_old is retired" in p for p in problems), problems
+    with pytest.raises(KeyError):
+        protolint.retire(lock, "field", "ForwardRequest.no_such_field")
+    # and a removal that was not retired first is still a removal
+    lock["services"]["ShardService"]["OpenSession"] = ["OpenSessionRequest", "X", False, False]
+    assert "rpc ShardService.OpenSession changed or was removed" in (
+        protolint.compatibility_problems(lock)
+    )

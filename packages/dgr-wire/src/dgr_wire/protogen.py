@@ -1,6 +1,7 @@
-"""`dgr-proto check|lock`: lint the dgr.v1 schema, guard wire compatibility against
+"""`dgr-proto check|lock|retire`: lint the dgr.v1 schema, guard wire compatibility against
 proto/dgr/v1/shard.lock.json (every field ever published keeps its number, type and name; fields
-are only added), and check that the installed generated code is that of the schema in the
+are only added, and one taken out is first retired: `dgr-proto retire field Message.name`, then
+`reserved` in its message), and check that the installed generated code is that of the schema in the
 checkout. The code itself is generated when dgr-wire is built (hatch_build.py); a development
 install regenerates it whenever the schema changes (uv's cache keys). A checkout tool: the runtime
 never imports it."""
@@ -15,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dgr_wire.protolint import compatibility_problems, lint_problems, snapshot
+from dgr_wire.protolint import compatibility_problems, lint_problems, retire, snapshot
 
 SCHEMA = Path("dgr/v1/shard.proto")
 GENERATED = ["dgr/v1/shard_pb2.py", "dgr/v1/shard_pb2.pyi", "dgr/v1/shard_pb2_grpc.py"]
@@ -50,12 +51,34 @@ def stale(proto: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dgr-proto")
-    parser.add_argument("action", choices=["check", "lock"], nargs="?", default="check")
+    parser.add_argument("action", choices=["check", "lock", "retire"], nargs="?", default="check")
+    parser.add_argument("kind", nargs="?", choices=["message", "field", "rpc"], help="retire: what")
+    parser.add_argument("name", nargs="?", help="retire: Message, Message.field or Service.Rpc")
     args = parser.parse_args(argv)
     proto = proto_root()
     lock = proto / "dgr" / "v1" / "shard.lock.json"
+    recorded = json.loads(lock.read_text())
+    if args.action == "retire":
+        if not args.kind or not args.name:
+            parser.error("retire needs KIND NAME (message X, field X.y, rpc Service.Method)")
+        try:
+            updated = retire(recorded, args.kind, args.name)
+        except KeyError:
+            print(f"dgr-proto: the lock holds no {args.kind} {args.name}", file=sys.stderr)
+            return 1
+        lock.write_text(json.dumps(updated, indent=2, sort_keys=True) + "\n")
+        print(f"retired {args.kind} {args.name} in {lock}")
+        return 0
     if args.action == "lock":
-        lock.write_text(json.dumps(snapshot(), indent=2, sort_keys=True) + "\n")
+        # only additions are recorded: anything published that is gone must be retired first
+        if gone := [p for p in compatibility_problems(recorded) if "removed" in p]:
+            for p in gone:
+                print(f"dgr-proto: {p} (dgr-proto retire it first)", file=sys.stderr)
+            return 1
+        fresh = snapshot()
+        if "retired" in recorded:
+            fresh["retired"] = recorded["retired"]
+        lock.write_text(json.dumps(fresh, indent=2, sort_keys=True) + "\n")
         print(f"wrote {lock}")
         return 0
     problems = [
@@ -64,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in stale(proto)
     ]
     problems += lint_problems()
-    problems += compatibility_problems(json.loads(lock.read_text()))
+    problems += compatibility_problems(recorded)
     for p in problems:
         print(f"proto: {p}")
     if not problems:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -73,9 +74,22 @@ def snapshot() -> dict[str, Any]:
     }
 
 
+def _reserved(message: str) -> tuple[set[int], set[str]]:
+    """The field numbers and names `message` reserves (`reserved 3; reserved "x";`)."""
+    from google.protobuf import descriptor_pb2
+
+    proto = descriptor_pb2.DescriptorProto()
+    file_descriptor().message_types_by_name[message].CopyToProto(proto)
+    numbers = {n for r in proto.reserved_range for n in range(r.start, r.end)}
+    return numbers, set(proto.reserved_name)
+
+
 def compatibility_problems(lock: dict[str, Any]) -> list[str]:
-    """Everything in the lock must still exist unchanged; additions are fine."""
+    """Everything in the lock must still exist unchanged; additions are fine. What the lock lists
+    as retired (`dgr-proto retire`) is gone for good: a retired message or rpc may not come back
+    under its name, and a retired field's number and name stay reserved in its message."""
     now = snapshot()
+    retired = lock.get("retired", {"messages": {}, "fields": {}, "rpcs": {}})
     problems = []
     for message, fields in lock["messages"].items():
         current = now["messages"].get(message)
@@ -92,4 +106,41 @@ def compatibility_problems(lock: dict[str, Any]) -> list[str]:
         for name, spec in methods.items():
             if now["services"].get(service, {}).get(name) != spec:
                 problems.append(f"rpc {service}.{name} changed or was removed")
+    for message in retired["messages"]:
+        if message in now["messages"]:
+            problems.append(f"message {message} is retired: it may not come back")
+    for service, methods in retired["rpcs"].items():
+        for name in methods:
+            if name in now["services"].get(service, {}):
+                problems.append(f"rpc {service}.{name} is retired: it may not come back")
+    for message, fields in retired["fields"].items():
+        if message not in now["messages"]:
+            continue
+        taken, reserved_names = _reserved(message)
+        for name, spec in fields.items():
+            if spec[0] not in taken or name not in reserved_names:
+                problems.append(
+                    f"field {message}.{name} is retired: `reserved {spec[0]}; reserved "
+                    f'"{name}";` must stay in its message'
+                )
     return problems
+
+
+def retire(lock: dict[str, Any], kind: str, name: str) -> dict[str, Any]:
+    """The lock with `name` (a message, Message.field or Service.Rpc) moved from what must stay
+    to what is retired; KeyError when the lock does not hold it."""
+    out: dict[str, Any] = json.loads(json.dumps(lock))
+    retired = out.setdefault("retired", {"messages": {}, "fields": {}, "rpcs": {}})
+    if kind == "message":
+        retired["messages"][name] = out["messages"].pop(name)
+    elif kind == "field":
+        message, field = name.split(".", 1)
+        spec = out["messages"][message].pop(field)
+        retired["fields"].setdefault(message, {})[field] = spec
+    elif kind == "rpc":
+        service, rpc = name.split(".", 1)
+        spec = out["services"][service].pop(rpc)
+        retired["rpcs"].setdefault(service, {})[rpc] = spec
+    else:
+        raise ValueError(f"retire: a message, field or rpc, not {kind!r}")
+    return out
