@@ -66,6 +66,9 @@ bool loopback_address(const std::string & address) {
 }
 
 grpc::Status Peers::check_link(const std::string & address) const {
+    if (options_.admit) {
+        if (grpc::Status st = options_.admit(address); !st.ok()) return st;
+    }
     if (options_.tls || options_.token.empty() || loopback_address(address)) return grpc::Status::OK;
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         "the link to " + address + " is not TLS and leaves this host: the bearer token is "

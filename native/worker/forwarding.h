@@ -32,6 +32,9 @@ struct PeerOptions {
     uint64_t max_message_bytes = 64ull << 20;
     int keepalive_ms = 10000;  // ping an idle link this often; dead after another half of it
     bool data_links = true;    // plaintext peers: data streams (datalink.h); false: gRPC calls
+    // a check of every peer address before a link to it opens, after the rules above (empty:
+    // none). The fuzz harnesses refuse every address, so that no input opens a connection
+    std::function<grpc::Status(const std::string & address)> admit;
 };
 
 // keepalive for every link, client and server side alike (--keepalive-ms): a peer that vanished

@@ -93,29 +93,33 @@ void warm_up(dgr::ShardEngine & engine) {
     engine.release(kScratch);
 }
 
-}  // namespace
+// exits with `code` after saying why on stderr
+struct Exit {
+    int code;
+};
 
-int main(int argc, char ** argv) {
-    // glibc gives every thread that allocates an arena of its own and keeps what it frees there;
-    // gRPC's handler threads come and go with the streams, so a long-running worker's RSS would
-    // creep up arena by arena. A few shared arenas keep it flat (the soak checks it).
-    mallopt(M_ARENA_MAX, 2);
-    Args args;
-    if (const int code = dgr::worker::parse_options(argc, argv, args); code >= 0) return code;
-    // compute slots shared with the other workers of this host (slots.h); "auto": a directory per
-    // user and thread count under the temporary directory
-    if (args.compute_slots != "none") {
-        std::string dir = args.compute_slots;
-        if (dir == "auto") {
-            const char * tmp = std::getenv("TMPDIR");
-            dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/dgr-compute-slots-" + std::to_string(getuid());
-        }
-        args.service.compute_slots_dir = dir;
-        args.service.compute_slots = dgr::worker::default_slot_count(args.threads);
-        if (args.pin) args.service.pin_threads = args.threads;
+[[noreturn]] void fail(int code, const std::string & why) {
+    std::cerr << "dgr-shard-worker: " << why << "\n";
+    throw Exit{code};
+}
+
+// compute slots shared with the other workers of this host (slots.h); "auto": a directory per
+// user and thread count under the temporary directory
+void place_compute_slots(Args & args) {
+    if (args.compute_slots == "none") return;
+    std::string dir = args.compute_slots;
+    if (dir == "auto") {
+        const char * tmp = std::getenv("TMPDIR");
+        dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/dgr-compute-slots-" + std::to_string(getuid());
     }
-    args.prio = resolve_prio(args);
-    std::unique_ptr<dgr::ShardEngine> engine;
+    args.service.compute_slots_dir = dir;
+    args.service.compute_slots = dgr::worker::default_slot_count(args.threads);
+    if (args.pin) args.service.pin_threads = args.threads;
+}
+
+// the engine over the range, warmed up (exit 3: the model does not load; 2: a slot directory it
+// cannot use)
+std::unique_ptr<dgr::ShardEngine> open_engine(const Args & args) {
     try {
         dgr::EngineOptions o;
         o.model_path = args.model;
@@ -134,7 +138,7 @@ int main(int argc, char ** argv) {
         o.batch_invariant = args.batch_invariant;
         o.cache_sessions = args.cache_sessions < 0 ? args.max_sessions : args.cache_sessions;  // (the engine caps it)
         o.cache_bytes = args.cache_bytes;
-        engine = dgr::ShardEngine::open(o);
+        std::unique_ptr<dgr::ShardEngine> engine = dgr::ShardEngine::open(o);
         if (args.warmup) {  // a compute like any other: in a slot
             dgr::worker::ComputeSlots slots(args.service.compute_slots_dir, args.service.compute_slots,
                                             args.service.pin_threads);
@@ -142,15 +146,17 @@ int main(int argc, char ** argv) {
             hold.place(*engine);
             warm_up(*engine);
         }
+        return engine;
     } catch (const dgr::ShardError & e) {
-        std::cerr << "dgr-shard-worker: " << e.what() << "\n";
-        return 3;
+        fail(3, e.what());
     } catch (const std::invalid_argument & e) {  // --compute-slots: a directory it cannot use
-        std::cerr << "dgr-shard-worker: " << e.what() << "\n";
-        return 2;
+        fail(2, e.what());
     }
-    // peers (the next stage, the head) are reached with this worker's own credentials: a worker
-    // that serves TLS reaches them over TLS only (its token never crosses a plaintext link)
+}
+
+// peers (the next stage, the head) are reached with this worker's own credentials: a worker that
+// serves TLS reaches them over TLS only (its token never crosses a plaintext link)
+dgr::worker::PeerOptions peer_options(const Args & args) {
     dgr::worker::PeerOptions peers;
     peers.ca = args.peer_ca.empty() ? args.tls_client_ca : args.peer_ca;
     peers.tls = !args.tls_cert.empty() || !peers.ca.empty();
@@ -162,60 +168,38 @@ int main(int argc, char ** argv) {
     peers.max_message_bytes = args.service.max_message_bytes;
     peers.keepalive_ms = args.keepalive_ms;
     peers.data_links = args.data_links;
-    std::unique_ptr<dgr::worker::ShardService> service_ptr;
-    try {
-        service_ptr = std::make_unique<dgr::worker::ShardService>(std::move(engine), args.service, peers);
-    } catch (const std::exception & e) {
-        std::cerr << "dgr-shard-worker: " << e.what() << "\n";
-        return 2;
-    }
-    dgr::worker::ShardService & service = *service_ptr;
-    if (!args.metrics_listen.empty()) {
-        try {
-            const int metrics_port = service.metrics().listen(args.metrics_listen);
-            std::cout << "DGR-WORKER-METRICS port=" << metrics_port << std::endl;
-        } catch (const std::exception & e) {
-            std::cerr << "dgr-shard-worker: " << e.what() << "\n";
-            return 4;
-        }
-    }
+    return peers;
+}
 
-    grpc::EnableDefaultHealthCheckService(true);
-    grpc::ServerBuilder builder;
-    int port = 0;
+std::shared_ptr<grpc::ServerCredentials> server_credentials(const Args & args) {
+    if (args.tls_cert.empty()) return grpc::InsecureServerCredentials();
+    // TLS; with a client CA, mutual TLS: a client without a certificate it signed is refused
+    grpc::SslServerCredentialsOptions ssl(args.tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                                                     : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    ssl.pem_root_certs = args.tls_client_ca;
+    ssl.pem_key_cert_pairs.push_back({args.tls_key, args.tls_cert});
+    return grpc::SslServerCredentials(ssl);
+}
+
+// plaintext: the worker's own listener serves gRPC and data streams on one port (datalink.h);
+// with TLS (or a unix socket) gRPC listens, and links to this worker are gRPC calls (null)
+std::unique_ptr<dgr::worker::Listener> own_listener(const Args & args) {
+    if (!args.tls_cert.empty() || args.listen.rfind("unix", 0) == 0) return nullptr;
+    try {
+        dgr::worker::ListenerLimits limits;
+        limits.keepalive_ms = args.keepalive_ms;
+        limits.max_payload = args.service.max_message_bytes * 2;
+        // a session holds at most a FORWARD stream in and a LOOP stream (the head): headroom
+        // beyond that for streams of sessions that are ending while new ones start
+        limits.max_streams = args.max_data_streams > 0 ? (size_t) args.max_data_streams : (size_t) args.max_sessions * 4 + 16;
+        return std::make_unique<dgr::worker::Listener>(args.listen, limits);
+    } catch (const std::invalid_argument & e) {
+        fail(4, e.what());
+    }
+}
+
+void configure_server(grpc::ServerBuilder & builder, const Args & args) {
     const uint64_t max_bytes = args.service.max_message_bytes;
-    std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
-    if (!args.tls_cert.empty()) {
-        // TLS; with a client CA, mutual TLS: a client without a certificate it signed is refused
-        grpc::SslServerCredentialsOptions ssl(args.tls_client_ca.empty()
-                                                  ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
-                                                  : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-        ssl.pem_root_certs = args.tls_client_ca;
-        ssl.pem_key_cert_pairs.push_back({args.tls_key, args.tls_cert});
-        creds = grpc::SslServerCredentials(ssl);
-    }
-    // plaintext: the worker's own listener serves gRPC and data streams on one port (datalink.h);
-    // with TLS (or a unix socket), gRPC listens and links to this worker are gRPC calls
-    std::unique_ptr<dgr::worker::Listener> listener;
-    const bool own_listener = args.tls_cert.empty() && args.listen.rfind("unix", 0) != 0;
-    if (own_listener) {
-        try {
-            dgr::worker::ListenerLimits limits;
-            limits.keepalive_ms = args.keepalive_ms;
-            limits.max_payload = max_bytes * 2;
-            // a session holds at most a FORWARD stream in and a LOOP stream (the head): headroom
-            // beyond that for streams of sessions that are ending while new ones start
-            limits.max_streams = args.max_data_streams > 0 ? (size_t) args.max_data_streams
-                                                           : (size_t) args.max_sessions * 4 + 16;
-            listener = std::make_unique<dgr::worker::Listener>(args.listen, limits);
-        } catch (const std::invalid_argument & e) {
-            std::cerr << "dgr-shard-worker: " << e.what() << "\n";
-            return 4;
-        }
-        port = listener->port();
-    } else {
-        builder.AddListeningPort(args.listen, creds, &port);
-    }
     builder.SetMaxReceiveMessageSize((int) std::min<uint64_t>(max_bytes, INT32_MAX));
     builder.SetMaxSendMessageSize((int) std::min<uint64_t>(max_bytes * 2, INT32_MAX));
     // keepalive: a client that vanished without a reset is dropped (and its sessions freed) after
@@ -225,15 +209,45 @@ int main(int argc, char ** argv) {
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+}
+
+// serves until SIGTERM/SIGINT, then drains: new streams refused, those in flight finish within
+// --drain-seconds
+int serve(Args & args) {
+    place_compute_slots(args);
+    args.prio = resolve_prio(args);
+    std::unique_ptr<dgr::ShardEngine> engine = open_engine(args);
+    std::unique_ptr<dgr::worker::ShardService> service_ptr;
+    try {
+        service_ptr = std::make_unique<dgr::worker::ShardService>(std::move(engine), args.service, peer_options(args));
+    } catch (const std::exception & e) {
+        fail(2, e.what());
+    }
+    dgr::worker::ShardService & service = *service_ptr;
+    if (!args.metrics_listen.empty()) {
+        try {
+            const int metrics_port = service.metrics().listen(args.metrics_listen);
+            std::cout << "DGR-WORKER-METRICS port=" << metrics_port << std::endl;
+        } catch (const std::exception & e) {
+            fail(4, e.what());
+        }
+    }
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    std::unique_ptr<dgr::worker::Listener> listener = own_listener(args);
+    if (listener) {
+        port = listener->port();
+    } else {
+        builder.AddListeningPort(args.listen, server_credentials(args), &port);
+    }
+    configure_server(builder, args);
     builder.RegisterService(&service);
     dgr::worker::TokenizerService tokenizer(service.engine(),
                                             [&service](grpc::ServerContext * ctx) { return service.authorize(ctx); });
     builder.RegisterService(&tokenizer);
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-    if (!server || port == 0) {
-        std::cerr << "dgr-shard-worker: cannot listen on " << args.listen << "\n";
-        return 4;
-    }
+    if (!server || port == 0) fail(4, "cannot listen on " + args.listen);
     if (listener) listener->start(server.get(), [&service](std::shared_ptr<dgr::worker::FrameConn> conn) { service.serve_data(conn); });
     server->GetHealthCheckService()->SetServingStatus(true);
     // the launcher reads this line to learn the port (and that the model is loaded and warm)
@@ -248,4 +262,20 @@ int main(int argc, char ** argv) {
     if (listener) listener->stop(std::chrono::seconds(args.drain_seconds));
     std::cout << "DGR-WORKER-STOPPED" << std::endl;
     return 0;
+}
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    // glibc gives every thread that allocates an arena of its own and keeps what it frees there;
+    // gRPC's handler threads come and go with the streams, so a long-running worker's RSS would
+    // creep up arena by arena. A few shared arenas keep it flat (the soak checks it).
+    mallopt(M_ARENA_MAX, 2);
+    Args args;
+    if (const int code = dgr::worker::parse_options(argc, argv, args); code >= 0) return code;
+    try {
+        return serve(args);
+    } catch (const Exit & e) {
+        return e.code;
+    }
 }

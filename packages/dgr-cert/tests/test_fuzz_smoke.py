@@ -1,7 +1,7 @@
 """The libFuzzer harnesses (native/fuzz) build with ASan and UBSan and run clean for a short
 while over their seeds and the committed regression corpus: the C++ decoders a worker runs on
 untrusted bytes, not a Python model of them. `nox -s fuzz` runs 1M request executions over an
-instrumented llama.cpp as well."""
+instrumented llama.cpp as well, and 1M each through the data plane's two readers."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ def binaries() -> Path:
     return fuzz.build_fuzzers(sys.stderr, instrument_llama=False)
 
 
-@pytest.mark.parametrize("harness,runs", [("request", 3000), ("gguf", 150)])
+@pytest.mark.parametrize(
+    "harness,runs", [("request", 3000), ("gguf", 150), ("stage-stream", 3000), ("datalink", 5000)]
+)
 def test_harness_runs_clean(binaries: Path, harness: str, runs: int) -> None:
     result = fuzz.run(harness, runs, 120, find_root().root, binaries)
     assert result["crashes"] == 0 and result["exit_code"] == 0, result.get("log_tail")
@@ -44,3 +46,17 @@ def test_the_request_seeds_reach_every_stage_kind() -> None:
     assert any(s.HasField("route") for s in seeds)
     # a drafted step in parts: its later part holds drafts only
     assert any(s.chunk_index > 0 and s.n_draft == len(s.token_ids) for s in seeds)
+
+
+def test_the_data_plane_seeds_reach_past_the_opening() -> None:
+    """Stage-stream seeds are forward-mode requests for the middle stage and the tail (and whole
+    streams: magic, HELLO, REQUEST); datalink seeds relay errors and end streams."""
+    from dgr.v1 import shard_pb2 as pb
+
+    seeds = fuzz.stage_stream_seeds()
+    requests = [pb.ForwardRequest.FromString(s) for s in seeds if not s.startswith(b"DGR1")]
+    assert {r.route.stage_index for r in requests} == {1, 2}
+    assert all(r.HasField("boundary") for r in requests)
+    assert any(s.startswith(b"DGR1") for s in seeds)
+    links = fuzz.datalink_seeds()
+    assert any(pb.ForwardReply.FromString(s).HasField("error") for s in links[:3])

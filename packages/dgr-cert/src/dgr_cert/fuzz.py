@@ -4,6 +4,10 @@
   boundary decode into the engine, the tail's sampler), on a head, a middle stage and a tail.
 - `gguf`: the range-ownership load (ShardEngine::open over the patched loader) on mutated and
   truncated GGUF files.
+- `stage-stream`: the data plane as a stage after the head reads it (the HELLO check, the FORWARD
+  frame reader, then the request path and the relay of errors), on a middle stage and the tail.
+- `datalink`: the connecting side of a data stream (DataLink's reader of what the stage sends
+  back: relayed errors, END).
 
 Both run over a small random-weight qwen3 model. The harnesses and the `fuzz` lane's llama.cpp
 are built with clang (Debian's clang-14 and libclang-rt-14-dev): DGR's code with ASan and UBSan,
@@ -40,7 +44,7 @@ FUZZ_TWIN = ArchTwin(
     "fuzz-twin", "qwen3", n_layer=8, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_vocab=256
 )
 SPLIT = "0:3,3:6,6:8"
-HARNESSES = ("request", "gguf")
+HARNESSES = ("request", "gguf", "stage-stream", "datalink")
 SEED_MAX_BYTES = 4097  # seeds committed to the corpus; the whole model is written fresh each run
 
 
@@ -74,7 +78,7 @@ def build_fuzzers(log: TextIO = sys.stderr, instrument_llama: bool = True) -> Pa
             "-DDGR_BUILD_FUZZ=ON",
         ],
     )
-    run_step(["cmake", "--build", str(out), "--target", "dgr-fuzz-request", "dgr-fuzz-gguf"], log)
+    run_step(["cmake", "--build", str(out), "--target", *(f"dgr-fuzz-{h}" for h in HARNESSES)], log)
     return out
 
 
@@ -153,6 +157,57 @@ def request_seeds() -> list[bytes]:
     return seeds
 
 
+def stage_stream_seeds() -> list[bytes]:
+    """Forward-mode requests for the stages after the head, whole streams among them: each is
+    also fed as it is (a HELLO and frames), so a few seeds are whole data streams."""
+    from dgr.v1 import shard_pb2 as pb
+
+    requests = [s for s in request_seeds() if pb.ForwardRequest.FromString(s).HasField("boundary")]
+    route = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+    out = []
+    for i, raw in enumerate(requests):
+        req = pb.ForwardRequest.FromString(raw)
+        req.route.CopyFrom(pb.RouteSpec(stages=route, stage_index=1 + i % 2))
+        req.last_chunk = True
+        if i % 3 == 0:
+            req.cohort.CopyFrom(pb.Cohort(id=5, size=2))
+        out.append(req.SerializeToString())
+    hello = pb.DataHello(stream=pb.DATA_STREAM_FORWARD, version=1, capabilities=["cohorts"])
+    opening = b"DGR1" + frame(pb.DATA_FRAME_HELLO, hello.SerializeToString())
+    out += [opening + frame(pb.DATA_FRAME_REQUEST, r) for r in out[:4]]
+    return out
+
+
+def datalink_seeds() -> list[bytes]:
+    """What a stage sends back: replies relaying an error from further down, and ENDs."""
+    from dgr.v1 import shard_pb2 as pb
+
+    errors = [
+        pb.ForwardReply(
+            session_id=7,
+            epoch=1,
+            error=pb.StageError(stage=2, address="127.0.0.1:3", code=code, message="why"),
+        ).SerializeToString()
+        for code in (8, 14, 0)
+    ]
+    ends = [pb.DataEnd(code=c, message="bye").SerializeToString() for c in (0, 1, 13)]
+    streams = [frame(pb.DATA_FRAME_REPLY, e) + frame(pb.DATA_FRAME_END, ends[2]) for e in errors]
+    return errors + ends + streams
+
+
+def frame(kind: int, payload: bytes) -> bytes:
+    """A data-plane frame: uint32 little-endian payload length, kind byte, payload."""
+    return len(payload).to_bytes(4, "little") + bytes([kind]) + payload
+
+
+SEEDS = {
+    "request": request_seeds,
+    "gguf": lambda: gguf_seeds(),
+    "stage-stream": stage_stream_seeds,
+    "datalink": datalink_seeds,
+}
+
+
 def gguf_seeds() -> list[bytes]:
     """The model whole and cut short, each under every range selector the harness knows."""
     data = fuzz_model().read_bytes()
@@ -174,7 +229,7 @@ def run(
     corpus = root / "native" / "fuzz" / "corpus" / harness
     crashers = root / "native" / "fuzz" / "crashers" / harness
     crashers.mkdir(parents=True, exist_ok=True)
-    seeds = request_seeds() if harness == "request" else gguf_seeds()
+    seeds = SEEDS[harness]()
     with tempfile.TemporaryDirectory(prefix=f"dgr-fuzz-{harness}-") as tmp:
         work = Path(tmp) / "corpus"
         fresh = Path(tmp) / "seeds"
@@ -198,7 +253,7 @@ def run(
             f"-artifact_prefix={crashers}/",
             "-rss_limit_mb=4096",
             "-malloc_limit_mb=2048",
-            "-max_len=" + ("4096" if harness == "request" else str(max(len(s) for s in seeds))),
+            "-max_len=" + (str(max(len(s) for s in seeds)) if harness == "gguf" else "4096"),
             "-print_final_stats=1",
             *([f"-jobs={jobs}", f"-workers={jobs}"] if jobs > 1 else []),
             *dirs,
@@ -231,6 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=int, default=3000, help="time limit per harness")
     parser.add_argument("--gguf-runs", type=int, default=20_000)
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument(
+        "--llama",
+        choices=["fuzz", "cpu"],
+        default="fuzz",
+        help="the llama.cpp the harnesses link: the fuzz lane's, instrumented (a 30-minute first "
+        "build), or the cpu lane's, where only DGR's own code is instrumented",
+    )
     parser.add_argument("--out", default="evidence/fuzz/fuzz.json")
     parser.add_argument(
         "--write-seeds",
@@ -240,30 +302,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = find_root().root
     if args.write_seeds:
-        for harness, seeds in (("request", request_seeds()), ("gguf", gguf_seeds())):
+        for harness in HARNESSES:
+            seeds = SEEDS[harness]()
             corpus = root / "native" / "fuzz" / "corpus" / harness
             corpus.mkdir(parents=True, exist_ok=True)
             for i, seed in enumerate(s for s in seeds if len(s) <= SEED_MAX_BYTES):
                 (corpus / f"seed-{i:03d}").write_bytes(seed)
         return 0
-    binaries = build_fuzzers()
+    binaries = build_fuzzers(instrument_llama=args.llama == "fuzz")
     results = []
     for harness in args.harness:
-        runs = args.runs if harness == "request" else args.gguf_runs
+        runs = args.gguf_runs if harness == "gguf" else args.runs
         r = run(harness, runs, args.seconds, root, binaries, args.jobs)
+        r["llama_instrumented"] = args.llama == "fuzz"
         print(json.dumps({k: v for k, v in r.items() if k != "log_tail"}), flush=True)
         if "log_tail" in r:
             print(r["log_tail"], file=sys.stderr)
         results.append(r)
     out = root / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": results},
-            indent=2,
-        )
-        + "\n"
-    )
+    # the harnesses not run this time keep their last recorded run
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    for r in results:
+        r["measured_utc"] = now
+    kept = json.loads(out.read_text()).get("runs", []) if out.is_file() else []
+    ran = {r["harness"] for r in results}
+    merged = [r for r in kept if r.get("harness") not in ran] + results
+    out.write_text(json.dumps({"measured_utc": now, "runs": merged}, indent=2) + "\n")
     by = {str(r["harness"]): r for r in results}
     report(
         "fuzz",
