@@ -114,12 +114,35 @@ def cmd_gate(paths: RepoPaths, args: argparse.Namespace) -> int:
             "gate": args.gate,
             "thresholds": len(rows),
             "passed": len(rows) - len(missed),
-            "missed": [r.metric for r in missed],
+            "missed": [r.metric for r in missed if r.unmeasurable is None],
+            "not_measurable_here": [r.metric for r in missed if r.unmeasurable is not None],
         },
     )
     for r in missed:
         print(f"{r.metric}: {r.verdict} (threshold {r.op} {r.threshold:g})", file=sys.stderr)
     return 1 if missed else 0
+
+
+def cmd_gate_review(paths: RepoPaths, args: argparse.Namespace) -> int:
+    from dgr_prd import review
+    from dgr_prd.metrics import report
+
+    r = review.review(paths, _load(paths), args.gate)
+    print("\n".join(review.render(r)))
+    report(
+        "gate_review",
+        {
+            "gate": args.gate,
+            "passed": r.passed,
+            "thresholds_passed": sum(t.passed for t in r.thresholds),
+            "thresholds": len(r.thresholds),
+            "not_measurable_here": sum(t.unmeasurable is not None for t in r.thresholds),
+            "stories_passed": sum(s.passed for s in r.stories),
+            "stories": len(r.stories),
+            "clean_tree": r.clean_tree,
+        },
+    )
+    return 0 if r.passed else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,11 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
         "check-legacy": (cmd_check_legacy, "DGR-017: no legacy specs, prd.json the authority"),
         "site": (cmd_site, "generate the evidence-site pages into docs/generated/"),
         "gate": (cmd_gate, "check a gate's thresholds (prd.json) against the newest evidence"),
+        "gate-review": (
+            cmd_gate_review,
+            "a gate's review from committed evidence: thresholds with host, commit and verdict, "
+            "and every story of the gate",
+        ),
     }
     for name, (func, help_text) in commands.items():
         p = sub.add_parser(name, help=help_text)
         p.set_defaults(func=func)
-        if name == "gate":
+        if name in ("gate", "gate-review"):
             p.add_argument("gate", help="gate id, e.g. alpha")
         if name == "project":
             p.add_argument("--check", action="store_true", help="fail when anything is stale")

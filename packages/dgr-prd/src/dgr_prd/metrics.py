@@ -29,10 +29,16 @@ def report(section: str, values: dict[str, Any]) -> Path | None:
 
 
 def write_bench(name: str, result: dict[str, Any]) -> Path:
-    """Write a bench's result to evidence/bench/<name>.json; returns the path."""
+    """Write a bench's result to evidence/bench/<name>.json, with the host it ran on (the CPU and
+    its cores, the gate's host condition) and the commit it measured; returns the path."""
+    from dgr_prd.hardware import cpu_info
     from dgr_prd.paths import find_root
+    from dgr_prd.runner import git_state
 
-    out = find_root().evidence / "bench"
+    root = find_root()
+    result.setdefault("host", {"cpu": cpu_info()})
+    result.setdefault("git", git_state(root.root).model_dump(mode="json"))
+    out = root.evidence / "bench"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")

@@ -82,6 +82,15 @@ class GateThreshold(_Strict):
     op: str = Field(pattern=r"^(>=|<=|==)$")
     value: float
     meaning: str
+    compute_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="The host condition: compute threads running at the same time while the "
+        "row is measured (stages, or RPC servers and their client; the single-process "
+        "reference is timed apart). The row is measurable only on a host with at least that "
+        "many cores, each stage pinned to its own; elsewhere it is not_measurable_here, never a "
+        "pass. None: measurable anywhere.",
+    )
 
 
 class GateDefinition(_Strict):

@@ -501,21 +501,20 @@ def render_certification(paths: RepoPaths, plots: Path) -> str:
 
 
 def render_gates(paths: RepoPaths, prd: Prd) -> str:
-    """Each gate's thresholds against the newest evidence (what `dgr-prd gate ID` checks); the
-    home page includes this file."""
-    from dgr_prd import gate
+    """Each gate's review (what `dgr-prd gate-review ID` prints): its thresholds against the
+    newest evidence with host, commit and verdict, and its stories; the home page includes this
+    file."""
+    from dgr_prd import review
 
     lines: list[str] = []
     for g in prd.gates:
-        rows = gate.evaluate(paths, prd, g.id.value)
-        passed = sum(r.passed for r in rows)
+        r = review.review(paths, prd, g.id.value)
         lines += [
             f"### Gate: {g.id.value}",
             "",
-            f"{g.description} {passed} of {len(rows)} thresholds pass "
-            f"(`dgr-prd gate {g.id.value}`).",
+            f"{g.description} (`dgr-prd gate-review {g.id.value}`)",
             "",
-            *gate.table(rows),
+            *review.render(r),
             "",
         ]
     return "\n".join(lines)
