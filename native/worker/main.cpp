@@ -213,7 +213,22 @@ void configure_server(grpc::ServerBuilder & builder, const Args & args) {
 
 // serves until SIGTERM/SIGINT, then drains: new streams refused, those in flight finish within
 // --drain-seconds
+// --cpus: every thread of the process on those cores (threads made later inherit it); a core
+// this process may not use is refused by name (exit 2)
+void restrict_cpus(const Args & args) {
+    if (args.cpus.empty()) return;
+    cpu_set_t allowed, want;
+    CPU_ZERO(&want);
+    if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) fail(2, "--cpus: cannot read this process's affinity");
+    for (int32_t c : args.cpus) {
+        if (c >= CPU_SETSIZE || !CPU_ISSET(c, &allowed)) fail(2, "--cpus: core " + std::to_string(c) + " is not one this process may use");
+        CPU_SET(c, &want);
+    }
+    if (sched_setaffinity(0, sizeof(want), &want) != 0) fail(2, "--cpus: sched_setaffinity failed");
+}
+
 int serve(Args & args) {
+    restrict_cpus(args);
     place_compute_slots(args);
     args.prio = resolve_prio(args);
     std::unique_ptr<dgr::ShardEngine> engine = open_engine(args);

@@ -67,6 +67,23 @@ std::string recipe_id(const std::string & value) {
     return value;
 }
 
+// a CPU list as taskset -c takes it: N, N-M, comma-separated; distinct and ascending on output
+std::vector<int32_t> parse_cpus(const std::string & option, const std::string & value) {
+    std::vector<int32_t> out;
+    std::stringstream parts(value);
+    std::string part;
+    while (std::getline(parts, part, ',')) {
+        const auto dash = part.find('-');
+        const int lo = to_int(option, part.substr(0, dash), 0, 4095);
+        const int hi = dash == std::string::npos ? lo : to_int(option, part.substr(dash + 1), lo, 4095);
+        for (int c = lo; c <= hi; ++c) out.push_back(c);
+    }
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    if (out.empty()) throw CLI::ValidationError(option, "names no CPU: " + value);
+    return out;
+}
+
 // an integer option in [lo, hi]
 template <typename T> CLI::Option * integer(CLI::App & app, const std::string & name, T & into, int lo, int hi,
                                             const std::string & help) {
@@ -135,6 +152,11 @@ void declare_engine(CLI::App & app, WorkerOptions & o) {
         ->type_name("DIR|auto|none")
         ->capture_default_str();
     choice(app, "--pin", o.pin, "on", "off", "each forward's threads on the cores of its compute slot");
+    app.add_option_function<std::string>(
+           "--cpus", [&o](const std::string & v) { o.cpus = parse_cpus("--cpus", v); },
+           "the cores this worker runs on, every thread of it (as taskset -c: 0-3,6; default: what it was "
+           "started with)")
+        ->type_name("LIST");
 }
 
 void declare_service(CLI::App & app, WorkerOptions & o) {
@@ -180,6 +202,12 @@ void declare_service(CLI::App & app, WorkerOptions & o) {
         ->type_name("FILE");
 }
 
+std::string cpu_list(const std::vector<int32_t> & cpus) {
+    std::string out;
+    for (int32_t c : cpus) out += (out.empty() ? "" : ",") + std::to_string(c);
+    return out;
+}
+
 // the options after parsing, one per line, as the worker will use them
 std::string resolved(const WorkerOptions & o) {
     std::ostringstream s;
@@ -190,6 +218,7 @@ std::string resolved(const WorkerOptions & o) {
       << "\nprefix_cache_sessions = " << (o.cache_sessions < 0 ? o.max_sessions : o.cache_sessions)
       << "\nprefix_cache_bytes = " << o.cache_bytes << "\nkernels = " << (o.batch_invariant ? "invariant" : "stock")
       << "\nwarmup = " << o.warmup << "\ncompute_slots = " << o.compute_slots << "\npin = " << (o.pin ? "on" : "off")
+      << "\ncpus = " << cpu_list(o.cpus)
       << "\nmax_message_bytes = " << o.service.max_message_bytes << "\nmax_queue = " << o.service.max_queue
       << "\nmax_batch = " << o.service.max_batch << "\ngather_us = " << o.service.gather_us
       << "\ndraft_part_rows = " << o.service.draft_part_rows << "\nkeepalive_ms = " << o.keepalive_ms

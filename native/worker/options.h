@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace CLI {
 class App;
@@ -37,6 +38,8 @@ struct WorkerOptions {
     int max_data_streams = 0;  // data streams served at once (0: 4 per session slot + 16)
     std::string compute_slots = "auto";  // a directory, "auto" or "none"
     bool pin = true;  // each forward's compute threads on the cores of its compute slot (slots.h)
+    std::vector<int32_t> cpus;  // --cpus: the cores this worker may run on, all its threads (empty:
+                                // what it was started with); the gate pins each stage to its own
     std::string metrics_listen;          // HOST:PORT for /metrics and /metrics.json (empty: off)
     // files named on the command line, and what they hold once read (read_files)
     std::string token_file, tls_cert_file, tls_key_file, tls_client_ca_file, peer_ca_file;

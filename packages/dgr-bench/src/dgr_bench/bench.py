@@ -35,6 +35,8 @@ from dgr_cli.workers import descriptor_args, start_worker
 from dgr_prd.metrics import report, write_bench
 from dgr_route.route import MODES, Route
 
+from dgr_bench import pinning
+
 PROMPT_TOKENS = 128
 DECODE_TOKENS = 64
 THREAD_COUNTS = (1, 2)
@@ -144,13 +146,17 @@ def rpc_servers(
     import socket
 
     procs, addresses = [], []
-    for _ in range(count):
+    for i in range(count):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         procs.append(
             subprocess.Popen(
-                [str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)],
+                [
+                    *pinning.taskset(i, threads),
+                    str(binary),
+                    *("-H", "127.0.0.1", "-p", str(port), "-t", str(threads)),
+                ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 text=True,
@@ -195,8 +201,17 @@ def dgr_route(
     from dgr_route.local import even_layout
 
     workers = [
-        start_worker(model, a, b, descriptor=descriptor, threads=threads, n_ctx=1024, n_batch=512)
-        for a, b in even_layout(n_layer, n_stages)
+        start_worker(
+            model,
+            a,
+            b,
+            descriptor=descriptor,
+            threads=threads,
+            n_ctx=1024,
+            n_batch=512,
+            extra=pinning.worker_args(i, threads),
+        )
+        for i, (a, b) in enumerate(even_layout(n_layer, n_stages))
     ]
     try:
         return {
@@ -266,9 +281,9 @@ def concurrent_decode(
             threads=threads,
             n_ctx=1024,
             max_sessions=4,
-            extra=["--max-batch", str(max_batch)],
+            extra=["--max-batch", str(max_batch), *pinning.worker_args(i, threads)],
         )
-        for a, b in even_layout(n_layer, 3)
+        for i, (a, b) in enumerate(even_layout(n_layer, 3))
     ]
     rates: dict[str, float] = {}
     try:
@@ -357,9 +372,15 @@ def paired(
         for name, (n, extra) in fleet_setups.items():
             fleets[name] = [
                 start_worker(
-                    model, a, b, descriptor=descriptor, threads=threads, n_ctx=1024, extra=extra
+                    model,
+                    a,
+                    b,
+                    descriptor=descriptor,
+                    threads=threads,
+                    n_ctx=1024,
+                    extra=[*extra, *pinning.worker_args(i, threads)],
                 )
-                for a, b in even_layout(n_layer, n)
+                for i, (a, b) in enumerate(even_layout(n_layer, n))
             ]
             routes[name] = Route.open(
                 [w.address for w in fleets[name]], timeout=120, prefix_reuse=False
@@ -441,7 +462,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--paired-rounds", type=int, default=PAIRED_ROUNDS)
     parser.add_argument("--threads", type=int, nargs="+", default=list(THREAD_COUNTS))
+    parser.add_argument(
+        "--pin-stages",
+        action="store_true",
+        help="each stage (and RPC server) on cores of its own, where the host has enough "
+        "(the gate's host condition; recorded in the JSON)",
+    )
     args = parser.parse_args(argv)
+    pinning.enable(args.pin_stages)
     model = model_path(args.model)
     ws = open_workspace()
     plain = build(ws, "cpu", ["llama-bench", "llama-batched-bench"], log=sys.stderr)
@@ -475,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     for t, r in results["by_threads"].items():
         gate.update({f"{k}_{t}threads": v for k, v in r["ratios"].items()})
     results["gate_threads"] = GATE_THREADS
+    results["pinning"] = pinning.record(3, GATE_THREADS)
     results["gate_metrics"] = {"bench": gate}  # what `dgr-prd gate alpha` reads
     results["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_bench("bench-route", results)

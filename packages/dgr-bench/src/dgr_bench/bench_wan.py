@@ -35,6 +35,7 @@ from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_prd.metrics import report, write_bench
 from dgr_route.route import Route
 
+from dgr_bench import pinning
 from dgr_bench.bench import engine_round, route_round, rpc_servers, time_route
 from dgr_bench.netsim import start_link
 
@@ -261,15 +262,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dgr_bench.bench_wan")
     parser.add_argument("--seam-model", action="store_true", help="calibrate the seam-cost model")
     parser.add_argument("--model", default="smollm2-135m-q4_1")
+    parser.add_argument("--threads", type=int, nargs="+", default=list(THREADS))
+    parser.add_argument(
+        "--pin-stages",
+        action="store_true",
+        help="each stage (and RPC server) on cores of its own (the gate's host condition)",
+    )
     args = parser.parse_args(argv)
+    pinning.enable(args.pin_stages)
     model = model_path(args.model)
     descriptor = descriptor_args(model)
     gate: dict[str, float]
 
     def fleet(layout: list[tuple[int, int]], threads: int) -> list[WorkerProcess]:
         return [
-            start_worker(model, a, b, descriptor=descriptor, threads=threads, n_ctx=1024)
-            for a, b in layout
+            start_worker(
+                model,
+                a,
+                b,
+                descriptor=descriptor,
+                threads=threads,
+                n_ctx=1024,
+                extra=pinning.worker_args(i, threads),
+            )
+            for i, (a, b) in enumerate(layout)
         ]
 
     if args.seam_model:
@@ -292,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         by_threads: dict[str, Any] = {}
         gate = {}
-        for threads in THREADS:
+        for threads in args.threads:
             workers = fleet(LAYOUT, threads)
             pair: list[WorkerProcess] = []
             try:
@@ -310,7 +326,12 @@ def main(argv: list[str] | None = None) -> int:
                 for name in ("dgr_forward_3stage", "dgr_forward_2stage", "dgr_relay_3stage")
                 for ratio in ("of_floor", "over_rpc_2servers")
             }
-        result = {"model": args.model, "layout": LAYOUT, "by_threads": by_threads}
+        result = {
+            "model": args.model,
+            "layout": LAYOUT,
+            "by_threads": by_threads,
+            "pinning": pinning.record(len(LAYOUT), max(args.threads)),
+        }
         name = "bench-wan"
     result["gate_metrics"] = {name.replace("-", "_"): gate}  # what `dgr-prd gate alpha` reads
     result["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         "--model", action="append", help=f"default: {' '.join(DEFAULT_MODELS)} (cpu lane)"
     )
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument(
+        "--out", type=Path, help="where the records go (default: certification/LANE in the tree)"
+    )
     args = parser.parse_args(argv)
     if args.lane == "cuda":  # what the GPU machine lacks, named before anything runs
         from dgr_cert import lane_probe
@@ -138,10 +141,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     paths = find_root()
     git = git_state(paths.root)
+    if git.commit is None and (copied := os.environ.get("DGR_SOURCE_COMMIT")):
+        # a copy of a committed tree without its .git (a lent device host): the commit it was
+        # copied from, as the device script was given it
+        git = git.model_copy(update={"commit": copied, "dirty": False})
     if git.dirty or not git.commit:
         print("certification records are written only from a clean tree: commit first")
         return 2
-    out = paths.root / "certification" / args.lane
+    out = args.out or paths.root / "certification" / args.lane
     records = []
     if args.lane == "vulkan":  # Mesa's lavapipe is skipped by ggml-vulkan unless named
         os.environ.setdefault("GGML_VK_VISIBLE_DEVICES", "0")
