@@ -52,6 +52,15 @@ def tests(session: nox.Session) -> None:
         session.error(f"pytest failed with exit code {code}")
 
 
+@nox.session(python=False)
+def check(session: nox.Session) -> None:
+    """The fast tier (`./dev check`, after lint): the native build check and every test that
+    starts no worker process (tests marked `fleet` are left out, and DGR_NO_WORKERS makes one
+    that starts a worker anyway fail, naming the marker)."""
+    session.run("dgr-native", "build")
+    session.run("pytest", "-m", "not fleet", "-q", *session.posargs, env={"DGR_NO_WORKERS": "1"})
+
+
 @nox.session(name="tests-slow", python=False)
 def tests_slow(session: nox.Session) -> None:
     """The tests marked slow (batched parity at 4 threads per worker on 3 stages, ...)."""

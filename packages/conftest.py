@@ -3,6 +3,8 @@ real ShardEngine module (built on first use)."""
 
 from __future__ import annotations
 
+import functools
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,8 +20,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# What starts a fleet of worker processes: the launcher and the commands and helpers built on it.
+# A test whose module names one of them, or that takes a fixture that starts workers, is marked
+# `fleet`; `./dev check` (nox -s check) runs the rest: the tests that start no worker process.
+FLEET_NAMES = re.compile(
+    r"\b(start_worker|start_stages|behind_links|run_demo|metered_workers)\b"
+    r"|[\[(]\s*(?:DGR|dgr|\w+)\s*,\s*\"(?:worker|demo|serve|generate|chat)\""
+)
+FLEET_FIXTURES = {"metered_workers"}
+
+
+@functools.cache
+def _starts_fleets(path: str) -> bool:
+    return bool(FLEET_NAMES.search(Path(path).read_text(encoding="utf-8")))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked slow are skipped unless --slow: the README's test command stays fast."""
+    """Tests that start worker processes are marked `fleet` (the fast tier leaves them out);
+    tests marked slow are skipped unless --slow: the README's test command stays fast."""
+    fleet = pytest.mark.fleet
+    for item in items:
+        module = getattr(item, "module", None)
+        path = getattr(module, "__file__", None)
+        uses = set(getattr(item, "fixturenames", ()))
+        if (path and _starts_fleets(path)) or uses & FLEET_FIXTURES:
+            item.add_marker(fleet)
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow (nox -s tests-slow)")

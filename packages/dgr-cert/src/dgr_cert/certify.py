@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{name} on {args.lane}{f' ({record.device})' if record.device else ''}: "
             f"{'PASS' if record.passed else 'FAIL'}, {record.layouts} "
             f"layouts, largest logit difference {record.max_abs_logit_diff:g}; "
-            f"{path.relative_to(paths.root)} (sealed {record.record_sha256[:12]})"
+            f"{path} (sealed {record.record_sha256[:12]})"
         )
     report(
         "certify",

@@ -53,6 +53,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     rest: list[str] = args.unknown
+    if os.environ.get("DGR_NO_WORKERS") and "--check-args" not in rest and not args.help:
+        print("dgr worker: DGR_NO_WORKERS is set (the fast test tier)", file=sys.stderr)
+        return 2
     try:
         worker = locate(args.lane)
     except EngineNotFound as exc:

@@ -96,6 +96,11 @@ def start_worker(
 ) -> WorkerProcess:
     from dgr_route.engine import locate
 
+    if os.environ.get("DGR_NO_WORKERS"):  # the fast test tier (./dev check) starts none
+        raise RuntimeError(
+            "DGR_NO_WORKERS is set: this starts a worker process (a test that does is marked "
+            "`fleet`, which ./dev check leaves out; see packages/conftest.py)"
+        )
     cmd = [
         str(locate(lane).worker),
         "--model",
