@@ -62,6 +62,10 @@ step bench-wan run python -m dgr_bench.bench_wan "${wan[@]}" --pin-stages
 mkdir -p "$out/bench"
 cp evidence/bench/bench-route.json evidence/bench/bench-wan.json "$out/bench/" 2>/dev/null
 step gate run dgr-prd gate alpha
+if ((dry)) && git rev-parse HEAD >/dev/null 2>&1; then
+  # a dry run leaves the tree's committed evidence as it was: its records are under $OUT only
+  git checkout -- evidence/bench/bench-route.json evidence/bench/bench-wan.json 2>/dev/null
+fi
 echo "device-alpha: done in ${SECONDS} s; failed: ${failed[*]:-none}" | tee -a "$out/steps.log"
 # the gate's verdict is the stories' business (a row this host cannot measure fails it): the run
 # fails only where a step that makes records failed

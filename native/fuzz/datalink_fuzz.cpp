@@ -6,6 +6,7 @@
 // gRPC error code and bounded text (relayed_error).
 #include "datalink.h"
 #include "forwarding.h"
+#include "fuzz_support.h"
 
 #include <sys/socket.h>
 #include <unistd.h>
@@ -16,12 +17,7 @@
 
 namespace {
 
-std::string frame(dgr::v1::DataFrame kind, const std::string & payload) {
-    std::string f(dgr::worker::kFrameHeader, '\0');
-    for (int i = 0; i < 4; ++i) f[(size_t) i] = (char) ((payload.size() >> (8 * i)) & 0xff);
-    f[4] = (char) kind;
-    return f + payload;
-}
+using dgr::fuzz::frame;
 
 [[noreturn]] void broken(const char * what) {
     std::fprintf(stderr, "dgr-fuzz-datalink: %s\n", what);
@@ -30,10 +26,7 @@ std::string frame(dgr::v1::DataFrame kind, const std::string & payload) {
 
 void read_back(const std::string & bytes) {
     int fds[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) std::abort();
-    const int buffer = 4 << 20;
-    setsockopt(fds[0], SOL_SOCKET, SO_SNDBUF, &buffer, sizeof(buffer));
-    setsockopt(fds[1], SOL_SOCKET, SO_RCVBUF, &buffer, sizeof(buffer));
+    dgr::fuzz::roomy_pair(fds);
     if (write(fds[0], bytes.data(), bytes.size()) != (ssize_t) bytes.size()) std::abort();
     close(fds[0]);
     dgr::worker::FrameConn conn(fds[1], 1000, 1 << 20);  // owns fds[1]

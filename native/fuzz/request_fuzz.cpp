@@ -18,6 +18,7 @@
 // HELLO (FORWARD or LOOP, by the first byte) and a REQUEST or REPLY carrying them. The head takes
 // no FORWARD data stream and holds no session to loop a token into, so no link to a peer opens.
 #include "datalink.h"
+#include "fuzz_support.h"
 #include "service.h"
 #include "tokenizer.h"
 #include "wire.h"
@@ -35,6 +36,8 @@
 #include <vector>
 
 namespace {
+
+using dgr::fuzz::frame;
 
 std::vector<std::unique_ptr<dgr::worker::ShardService>> g_stages;
 std::unique_ptr<dgr::worker::TokenizerService> g_tokenizer;
@@ -57,73 +60,25 @@ void tokenizer_requests(const uint8_t * data, size_t size) {
     }
 }
 
-void data_stream(const std::string & bytes) {
-    int fds[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) std::abort();
-    const int buffer = 4 << 20;
-    for (int fd : fds) {
-        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer, sizeof(buffer));
-        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buffer, sizeof(buffer));
-    }
-    if (write(fds[0], bytes.data(), bytes.size()) != (ssize_t) bytes.size()) std::abort();
-    shutdown(fds[0], SHUT_WR);
-    auto conn = std::make_shared<dgr::worker::FrameConn>(fds[1], 1000, 1 << 20);  // owns fds[1]
-    g_stages.front()->serve_data(conn);
-    conn.reset();
-    close(fds[0]);
-}
-
-std::string frame(dgr::v1::DataFrame kind, const std::string & payload) {
-    std::string f(dgr::worker::kFrameHeader, '\0');
-    for (int i = 0; i < 4; ++i) f[(size_t) i] = (char) ((payload.size() >> (8 * i)) & 0xff);
-    f[4] = (char) kind;
-    return f + payload;
-}
-
 void data_streams(const uint8_t * data, size_t size) {
     const std::string bytes((const char *) data, size);
-    data_stream(bytes);
+    dgr::fuzz::serve_stream(*g_stages.front(), bytes);
     dgr::v1::DataHello hello;
     const bool loop = size > 0 && (data[0] & 1);
     hello.set_stream(loop ? dgr::v1::DATA_STREAM_LOOP : dgr::v1::DATA_STREAM_FORWARD);
-    data_stream(frame(dgr::v1::DATA_FRAME_HELLO, hello.SerializeAsString()) +
-                frame(loop ? dgr::v1::DATA_FRAME_REPLY : dgr::v1::DATA_FRAME_REQUEST, bytes));
+    dgr::fuzz::serve_stream(*g_stages.front(),
+                            frame(dgr::v1::DATA_FRAME_HELLO, hello.SerializeAsString()) +
+                                frame(loop ? dgr::v1::DATA_FRAME_REPLY : dgr::v1::DATA_FRAME_REQUEST, bytes));
 }
 
-void quiet(ggml_log_level, const char *, void *) {}
-
 [[noreturn]] void invariant(const char * what, size_t stage, uint32_t value) {
-    std::fprintf(stderr, "dgr-fuzz-request: stage %zu: %s is %u after the input (must be 0)\n", stage, what, value);
-    std::abort();
+    dgr::fuzz::invariant("dgr-fuzz-request", what, stage, value);
 }
 
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int *, char ***) {
-    const char * model = std::getenv("DGR_FUZZ_MODEL");
-    if (model == nullptr) {
-        std::fprintf(stderr, "dgr-fuzz-request: set DGR_FUZZ_MODEL to a GGUF (nox -s fuzz does)\n");
-        std::abort();
-    }
-    const char * split = std::getenv("DGR_FUZZ_SPLIT");
-    llama_log_set(quiet, nullptr);
-    llama_backend_init();
-    std::stringstream ranges(split ? split : "0:3,3:6,6:8");
-    std::string range;
-    while (std::getline(ranges, range, ',')) {
-        dgr::EngineOptions o;
-        o.model_path = model;
-        o.layer_first = std::stoi(range.substr(0, range.find(':')));
-        o.layer_last = std::stoi(range.substr(range.find(':') + 1));
-        o.n_threads = 1;
-        o.n_ctx = 64;
-        o.n_batch = 32;
-        o.max_sessions = 2;
-        dgr::worker::ServiceOptions so;
-        so.max_batch = 4;
-        g_stages.push_back(
-            std::make_unique<dgr::worker::ShardService>(dgr::ShardEngine::open(o), so, dgr::worker::PeerOptions{}));
-    }
+    g_stages = dgr::fuzz::open_stages("dgr-fuzz-request", 0, dgr::worker::PeerOptions{});
     g_tokenizer = std::make_unique<dgr::worker::TokenizerService>(
         g_stages.front()->engine(), [](grpc::ServerContext *) { return grpc::Status::OK; });
     return 0;

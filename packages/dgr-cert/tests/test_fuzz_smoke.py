@@ -54,9 +54,11 @@ def test_the_data_plane_seeds_reach_past_the_opening() -> None:
     from dgr.v1 import shard_pb2 as pb
 
     seeds = fuzz.stage_stream_seeds()
-    requests = [pb.ForwardRequest.FromString(s) for s in seeds if not s.startswith(b"DGR1")]
+    hello = bytes([pb.DATA_FRAME_HELLO])
+    streams = [s for s in seeds if s[4:5] == hello]
+    requests = [pb.ForwardRequest.FromString(s) for s in seeds if s not in streams]
     assert {r.route.stage_index for r in requests} == {1, 2}
     assert all(r.HasField("boundary") for r in requests)
-    assert any(s.startswith(b"DGR1") for s in seeds)
+    assert streams and all(pb.DataHello.FromString(s[5 : 5 + s[0]]).version == 1 for s in streams)
     links = fuzz.datalink_seeds()
     assert any(pb.ForwardReply.FromString(s).HasField("error") for s in links[:3])

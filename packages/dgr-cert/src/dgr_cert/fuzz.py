@@ -158,8 +158,8 @@ def request_seeds() -> list[bytes]:
 
 
 def stage_stream_seeds() -> list[bytes]:
-    """Forward-mode requests for the stages after the head, whole streams among them: each is
-    also fed as it is (a HELLO and frames), so a few seeds are whole data streams."""
+    """Forward-mode requests for the stages after the head, and a few whole data streams (each
+    input is also fed as it is: HELLO and frames)."""
     from dgr.v1 import shard_pb2 as pb
 
     requests = [s for s in request_seeds() if pb.ForwardRequest.FromString(s).HasField("boundary")]
@@ -172,8 +172,9 @@ def stage_stream_seeds() -> list[bytes]:
         if i % 3 == 0:
             req.cohort.CopyFrom(pb.Cohort(id=5, size=2))
         out.append(req.SerializeToString())
+    # whole streams as serve_data reads them (the listener took the magic): HELLO, REQUEST
     hello = pb.DataHello(stream=pb.DATA_STREAM_FORWARD, version=1, capabilities=["cohorts"])
-    opening = b"DGR1" + frame(pb.DATA_FRAME_HELLO, hello.SerializeToString())
+    opening = frame(pb.DATA_FRAME_HELLO, hello.SerializeToString())
     out += [opening + frame(pb.DATA_FRAME_REQUEST, r) for r in out[:4]]
     return out
 
