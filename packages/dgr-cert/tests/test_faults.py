@@ -5,7 +5,11 @@ its uninterrupted run. `nox -s chaos` runs the same cycle over 200+ seeded fault
 
 from __future__ import annotations
 
+import pytest
 from dgr_cert import chaos
+
+# every test here injects faults into a route of real workers
+pytestmark = pytest.mark.fleet
 
 
 def test_every_fault_kind_is_named_in_time_and_loses_nothing() -> None:

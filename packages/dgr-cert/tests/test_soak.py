@@ -5,7 +5,11 @@ full soak holds it to 2%)."""
 
 from __future__ import annotations
 
+import pytest
 from dgr_cert import soak
+
+# a soak of a route of real workers
+pytestmark = pytest.mark.fleet
 
 
 def test_a_short_soak_fails_nothing_and_leaks_nothing() -> None:

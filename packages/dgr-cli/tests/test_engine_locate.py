@@ -48,6 +48,7 @@ def test_the_environment_variable_wins_and_is_checked(
         engine.module()
 
 
+@pytest.mark.fleet  # runs `dgr worker` (which would start one)
 def test_dgr_worker_without_engine_or_model_fails_by_name(tmp_path: Path) -> None:
     done = run_dgr("worker", "--layers", "0:15", "--model", str(tmp_path / "absent.gguf"))
     assert done.returncode == 2 and "absent.gguf: file does not exist" in done.stderr

@@ -194,6 +194,7 @@ def real_profile(smollm2: Path) -> ModelProfile:
     return profile_model(smollm2, build_manifest(smollm2), WorkerOptions(n_ctx=256, max_sessions=2))
 
 
+@pytest.mark.fleet  # profile_model measures a worker's overhead
 def test_the_memory_model_is_llama_cpps_dry_run(
     smollm2: Path, real_profile: ModelProfile, engine_module: object
 ) -> None:
@@ -216,6 +217,7 @@ def test_the_memory_model_is_llama_cpps_dry_run(
     assert 10 * 2**20 < real_profile.overhead_bytes < 500 * 2**20
 
 
+@pytest.mark.fleet  # dgr plan profiles the model with a worker
 def test_dgr_plan_prints_the_plan_and_writes_a_recipe(smollm2: Path, tmp_path: Path) -> None:
     compute = {"ms_per_layer": 0.5, "tail_ms": 1.6, "stage_ms": 1.5}
     nodes = {

@@ -200,6 +200,7 @@ def start_dgr_worker(*args: str) -> tuple[subprocess.Popen[str], str]:
     raise AssertionError(f"worker exited {proc.returncode}: {''.join(lines[-10:])}")
 
 
+@pytest.mark.fleet
 def test_a_worker_serves_its_node_of_a_recipe(
     smollm2: Path, smollm2_manifest: ArtifactManifest, tmp_path: Path
 ) -> None:
@@ -226,6 +227,7 @@ def test_a_worker_serves_its_node_of_a_recipe(
             proc.wait(20)
 
 
+@pytest.mark.fleet
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -266,6 +268,7 @@ def test_a_worker_refuses_a_recipe_that_does_not_fit(
     assert re.search(message, out.stderr), out.stderr
 
 
+@pytest.mark.fleet
 def test_the_worker_binary_validates_the_recipe_id(smollm2: Path) -> None:
     from dgr_native.build import worker_binary
 
