@@ -47,6 +47,7 @@ def test_background_commands_get_free_ports_and_a_readiness_wait() -> None:
     assert f"ready {port}\ndgr generate --route 127.0.0.1:{port}" in script
 
 
+@pytest.mark.fleet  # the block starts two workers, a server and the demo (in a clean environment)
 def test_readme_install_block_runs_from_the_wheels_alone(dist: list[Path], tmp_path: Path) -> None:
     run = check_install(dist, tmp_path / "machine", ROOT / "README.md")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
