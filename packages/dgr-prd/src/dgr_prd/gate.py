@@ -166,17 +166,24 @@ def host_text(m: Measurement | None) -> str:
     return f"{cores} cores, {m.host.cpu}, {m.host.lane}"
 
 
+def tree_text(dirty: bool | None) -> str:
+    return "-" if dirty is None else ("dirty" if dirty else "clean")
+
+
 def table(rows: list[GateRow]) -> list[str]:
-    """The gate as a markdown table: threshold, measured value, verdict and where it came from."""
+    """The gate as a markdown table: threshold, measured value, verdict and where it came from
+    (the evidence and when, its commit and tree, its host); `gate` and `gate-review` print it."""
     lines = [
-        "| metric | threshold | measured | verdict | evidence | host |",
-        "|---|---|---|---|---|---|",
+        "| metric | threshold | measured | verdict | evidence | commit | tree | host |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        measured = f"{r.measured.value:.4g}" if r.measured else "-"
-        source = f"{r.measured.source}, {r.measured.when:%Y-%m-%d %H:%M} UTC" if r.measured else "-"
+        m = r.measured
+        measured = f"{m.value:.4g}" if m else "-"
+        source = f"{m.source}, {m.when:%Y-%m-%d %H:%M} UTC" if m else "-"
+        commit = m.commit[:12] if m and m.commit else "-"
         lines.append(
             f"| `{r.metric}` | {r.op} {r.threshold:g} | {measured} | {r.verdict} | {source} | "
-            f"{host_text(r.measured)} |"
+            f"{commit} | {tree_text(m.dirty) if m else '-'} | {host_text(m)} |"
         )
     return lines

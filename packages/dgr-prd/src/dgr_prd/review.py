@@ -88,27 +88,6 @@ def review(paths: RepoPaths, prd: Prd, gate_id: str) -> Review:
     return Review(gate_id, rows, stories, tree_is_clean(paths))
 
 
-def _dirty(value: bool | None) -> str:
-    return "-" if value is None else ("dirty" if value else "clean")
-
-
-def threshold_table(rows: list[gates.GateRow]) -> list[str]:
-    lines = [
-        "| metric | threshold | latest | verdict | evidence | commit | tree | host |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        m = r.measured
-        value = f"{m.value:.4g}" if m else "-"
-        commit = m.commit[:12] if m and m.commit else "-"
-        lines.append(
-            f"| `{r.metric}` | {r.op} {r.threshold:g} | {value} | {r.verdict} | "
-            f"{m.source if m else '-'} | {commit} | {_dirty(m.dirty) if m else '-'} | "
-            f"{gates.host_text(m)} |"
-        )
-    return lines
-
-
 def story_table(stories: list[StoryRow]) -> list[str]:
     lines = [
         "| story | title | status | latest evidence | result | commit | tree |",
@@ -117,7 +96,7 @@ def story_table(stories: list[StoryRow]) -> list[str]:
     for s in stories:
         lines.append(
             f"| {s.story} | {s.title} | {s.status} | {s.run} | {s.result} | {s.commit} | "
-            f"{_dirty(s.dirty)} |"
+            f"{gates.tree_text(s.dirty)} |"
         )
     return lines
 
@@ -133,7 +112,7 @@ def render(r: Review) -> list[str]:
         f"stories done with a passing latest record; tree "
         f"{'clean' if r.clean_tree else 'dirty'}.",
         "",
-        *threshold_table(r.thresholds),
+        *gates.table(r.thresholds),
         "",
         *story_table(r.stories),
     ]
