@@ -19,12 +19,8 @@
 
 namespace dgr::fuzz {
 
-// a data-plane frame: uint32 little-endian payload length, kind byte, payload
 inline std::string frame(dgr::v1::DataFrame kind, const std::string & payload) {
-    std::string f(dgr::worker::kFrameHeader, '\0');
-    for (int i = 0; i < 4; ++i) f[(size_t) i] = (char) ((payload.size() >> (8 * i)) & 0xff);
-    f[4] = (char) kind;
-    return f + payload;
+    return dgr::worker::encode_frame(kind, payload);
 }
 
 // a connected socket pair whose buffers hold a whole input and what is written back (4 MiB)

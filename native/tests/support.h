@@ -1,6 +1,8 @@
 // Shared helpers of the worker's unit tests.
 #pragma once
 
+#include "datalink.h"
+
 #include <doctest/doctest.h>
 
 #include <sys/socket.h>
@@ -35,13 +37,9 @@ inline void write_all(int fd, const std::string & bytes) {
     }
 }
 
-// a frame as the data plane writes it: uint32 little-endian length, kind byte, payload
+// a frame as the data plane writes it (any kind byte, so that the tests can write unknown ones)
 inline std::string frame(int kind, const std::string & payload) {
-    std::string f(5, '\0');
-    const uint32_t n = (uint32_t) payload.size();
-    for (int i = 0; i < 4; ++i) f[(size_t) i] = (char) ((n >> (8 * i)) & 0xff);
-    f[4] = (char) kind;
-    return f + payload;
+    return dgr::worker::encode_frame((dgr::v1::DataFrame) kind, payload);
 }
 
 }  // namespace dgr::test

@@ -62,6 +62,17 @@ bool split_address(const std::string & address, std::string * host, std::string 
     return !host->empty();
 }
 
+void encode_frame_header(dgr::v1::DataFrame kind, uint32_t n, uint8_t out[kFrameHeader]) {
+    for (int i = 0; i < 4; ++i) out[i] = (uint8_t) ((n >> (8 * i)) & 0xff);
+    out[4] = (uint8_t) kind;
+}
+
+std::string encode_frame(dgr::v1::DataFrame kind, const std::string & payload) {
+    std::string f(kFrameHeader, '\0');
+    encode_frame_header(kind, (uint32_t) payload.size(), (uint8_t *) f.data());
+    return f + payload;
+}
+
 Status decode_frame_header(const uint8_t * header, uint64_t max_payload, dgr::v1::DataFrame * kind, uint32_t * length) {
     const uint32_t n = (uint32_t) header[0] | (uint32_t) header[1] << 8 | (uint32_t) header[2] << 16 |
                        (uint32_t) header[3] << 24;
@@ -144,8 +155,7 @@ bool FrameConn::send(dgr::v1::DataFrame kind, const google::protobuf::MessageLit
     const size_t n = message ? message->ByteSizeLong() : 0;
     if (n > max_payload_ || n > UINT32_MAX) return false;
     std::string frame(kFrameHeader + n, '\0');
-    for (int i = 0; i < 4; ++i) frame[(size_t) i] = (char) ((n >> (8 * i)) & 0xff);
-    frame[4] = (char) kind;
+    encode_frame_header(kind, (uint32_t) n, (uint8_t *) frame.data());
     if (message && !message->SerializeToArray(frame.data() + kFrameHeader, (int) n)) return false;
     std::lock_guard<std::mutex> lock(send_mutex_);
     return send_raw(frame.data(), frame.size());
@@ -155,7 +165,8 @@ void FrameConn::beat() {
     if (now_ms() - last_sent_ms_.load() < keepalive_ms_ / 2) return;
     std::unique_lock<std::mutex> lock(send_mutex_, std::try_to_lock);
     if (!lock.owns_lock()) return;  // a frame is going out: that is a sign of life already
-    const uint8_t alive[kFrameHeader] = {0, 0, 0, 0, (uint8_t) dgr::v1::DATA_FRAME_ALIVE};
+    uint8_t alive[kFrameHeader];
+    encode_frame_header(dgr::v1::DATA_FRAME_ALIVE, 0, alive);
     send_raw(alive, sizeof(alive));
 }
 

@@ -47,6 +47,11 @@ constexpr size_t kFrameHeader = 5;  // uint32 little-endian payload length, one 
 // HOST:PORT or [V6]:PORT into its host (brackets dropped) and port; false when it is neither
 bool split_address(const std::string & address, std::string * host, std::string * port);
 
+// a frame's header for a payload of n bytes: uint32 little-endian length, then the kind
+void encode_frame_header(dgr::v1::DataFrame kind, uint32_t n, uint8_t out[kFrameHeader]);
+// a whole frame: the header, then the payload
+std::string encode_frame(dgr::v1::DataFrame kind, const std::string & payload);
+
 // a frame's header, checked: a known kind and a payload of at most max_payload bytes
 grpc::Status decode_frame_header(const uint8_t * header, uint64_t max_payload, dgr::v1::DataFrame * kind,
                                  uint32_t * length);
