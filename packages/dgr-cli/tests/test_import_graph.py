@@ -1,5 +1,7 @@
 """The runtime chain (wire -> route -> serve/cli) imports no planning, bench, certification or
-build tool: checked in a fresh interpreter, on what importing each runtime module pulls in."""
+build tool, and `dgr plan` / `dgr bench` (the planner and the benches) import no planning,
+certification or build tool: checked in a fresh interpreter, on what importing each module pulls
+in, and on the installed distributions' requirements (what `pip install` of the wheels pulls)."""
 
 from __future__ import annotations
 
@@ -54,6 +56,24 @@ FORBIDDEN_DISTRIBUTIONS = {
     "nox",
 }
 
+# `dgr plan` and `dgr bench`: they may use the runtime, not the planning or build tools
+TOOLS = [
+    "dgr_placement.cli",
+    "dgr_placement.planner",
+    "dgr_placement.profile",
+    "dgr_bench.cli",
+    "dgr_bench.bench",
+    "dgr_bench.plan",
+    "dgr_records",
+]
+TOOLS_DISTRIBUTIONS = ["dgr-records", "dgr-meshnet", "dgr-placement", "dgr-bench"]
+TOOLS_FORBIDDEN_PACKAGES = FORBIDDEN_PACKAGES - {"dgr_bench", "dgr_placement"}
+TOOLS_FORBIDDEN_DISTRIBUTIONS = FORBIDDEN_DISTRIBUTIONS - {
+    "dgr-bench",
+    "dgr-placement",
+    "dgr-meshnet",
+}
+
 
 def imported_by(module: str) -> list[str]:
     code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
@@ -62,27 +82,46 @@ def imported_by(module: str) -> list[str]:
     return loaded
 
 
+def forbidden_imports(module: str, packages: set[str]) -> list[str]:
+    loaded = imported_by(module)
+    assert module in loaded
+    return [m for m in loaded if m.split(".")[0] in packages or m.startswith(FORBIDDEN_MODULES)]
+
+
 def test_runtime_modules_import_no_tooling() -> None:
     for module in RUNTIME:
-        loaded = imported_by(module)
-        assert module in loaded
-        bad = [
-            m
-            for m in loaded
-            if m.split(".")[0] in FORBIDDEN_PACKAGES or m.startswith(FORBIDDEN_MODULES)
-        ]
-        assert bad == [], f"importing {module} pulls in {bad}"
+        assert forbidden_imports(module, FORBIDDEN_PACKAGES) == [], module
+
+
+def test_plan_and_bench_import_no_planning_or_build_tool() -> None:
+    for module in TOOLS:
+        assert forbidden_imports(module, TOOLS_FORBIDDEN_PACKAGES) == [], module
 
 
 def test_the_check_sees_a_tooling_import() -> None:
-    # the same probe on a bench module finds what it must (so the test above can fail)
-    loaded = imported_by("dgr_bench.bench")
-    assert "dgr_prd" in {m.split(".")[0] for m in loaded}
+    # the same probe on a certification module finds what it must (so the tests above can fail)
+    found = forbidden_imports("dgr_cert.certify", TOOLS_FORBIDDEN_PACKAGES)
+    assert {"dgr_prd", "dgr_llamacpp", "dgr_native"} <= {m.split(".")[0] for m in found}
+
+
+def required(dist: str) -> set[str]:
+    """The distributions `pip install` of `dist` pulls in (extras it declares left out)."""
+    reqs = [r for r in requires(dist) or [] if "extra ==" not in r]
+    return {re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0] for r in reqs}
 
 
 def test_runtime_distributions_require_no_tooling() -> None:
     # what `pip install` of the runtime wheels pulls in, read from their installed metadata
     for dist in RUNTIME_DISTRIBUTIONS:
-        names = {re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0] for r in requires(dist) or []}
+        names = required(dist)
         assert names & FORBIDDEN_DISTRIBUTIONS == set(), f"{dist} requires {names}"
         assert names - FORBIDDEN_DISTRIBUTIONS, f"{dist}: no requirements read"
+
+
+def test_plan_and_bench_distributions_require_no_planning_or_build_tool() -> None:
+    for dist in TOOLS_DISTRIBUTIONS:
+        assert required(dist) & TOOLS_FORBIDDEN_DISTRIBUTIONS == set(), dist
+    # dgr-bench's gate benches compare with llama.cpp's builds: an extra, not a requirement
+    assert {"dgr-native", "dgr-llamacpp"} <= {
+        re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0] for r in requires("dgr-bench") or []
+    }

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 from dgr_native.build import worker_binary
-from dgr_native.dist import ABSENT, PRESENT, RUNTIME, build_dist, check_install, runnable
+from dgr_native.dist import (
+    ABSENT,
+    PRESENT,
+    RUNTIME,
+    RUNTIME_TOOLS,
+    build_dist,
+    check_install,
+    runnable,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -28,7 +36,7 @@ def listing(wheel: Path) -> str:
 
 def test_dist_holds_the_engine_and_every_runtime_wheel(dist: list[Path]) -> None:
     names = sorted(w.name.split("-")[0] for w in dist)
-    assert names == sorted(["dgr_engine", *(p.replace("-", "_") for p in RUNTIME)])
+    assert names == sorted(["dgr_engine", *(p.replace("-", "_") for p in RUNTIME + RUNTIME_TOOLS)])
     engine = listing(next(w for w in dist if w.name.startswith("dgr_engine-")))
     for member in ("dgr_engine/dgr-shard-worker", "dgr_engine/libllama.so", "dgr_engine/_dgr_"):
         assert member in engine
@@ -60,6 +68,10 @@ def test_readme_install_block_runs_from_the_wheels_alone(dist: list[Path], tmp_p
     assert "(dgr-engine)" in out
     assert "verified: all chunks match the manifest" in out
     assert "greedy tokens identical" in out  # the demo's parity check, from the wheels
+    # the planner's probe and the bench ran on the installed engine, with no planning tools
+    assert "compute: {" in out and '"ms_per_layer"' in out
+    bench = out[out.index("1 thread(s) per process") :]
+    assert "engine in one process" in bench and "DGR forward 2 stages" in bench
     # the OpenAI server's greedy completion is the text `dgr generate` streamed before it
     text = run.completion_text()
     assert text.strip() and text in out[: out.rindex('{"id"')]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dgr_prd.hardware import cpu_info, fingerprint, memory_bytes, os_info, parse_vulkan_summary
+from dgr_prd.hardware import fingerprint, memory_bytes, os_info, parse_vulkan_summary
 from dgr_prd.lanes import available_lanes, missing_lane_reason
 from dgr_prd.model import Lane
 
@@ -18,24 +18,6 @@ def test_fingerprint_of_this_machine() -> None:
     assert hw["python"].count(".") == 2
     assert isinstance(hw["gpus"], list)
     assert set(hw["compilers"]) == {"cc", "cxx", "cmake", "nvcc"}
-
-
-def test_cpu_flags_name_amx(tmp_path: Path) -> None:
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(
-        "processor\t: 0\nmodel name\t: Example Xeon\nflags\t\t: fpu sse4_2 avx2 avx512f "
-        "amx_tile amx_int8 amx_bf16\n\nprocessor\t: 1\nmodel name\t: Example Xeon\n"
-    )
-    info = cpu_info(cpuinfo)
-    assert info["model"] == "Example Xeon"
-    assert info["notable_flags"] == [
-        "sse4_2",
-        "avx2",
-        "avx512f",
-        "amx_tile",
-        "amx_int8",
-        "amx_bf16",
-    ]
 
 
 def test_meminfo_and_os_release(tmp_path: Path) -> None:

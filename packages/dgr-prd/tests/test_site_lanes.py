@@ -7,10 +7,10 @@ import json
 import shutil
 
 import pytest
-from dgr_prd.metrics import write_bench
 from dgr_prd.model import Lane
 from dgr_prd.paths import RepoPaths
 from dgr_prd.site import render_lanes
+from dgr_records import write_bench
 
 
 def test_every_lane_has_one_row(repo: RepoPaths) -> None:

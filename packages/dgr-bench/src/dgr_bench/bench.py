@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dgr_cli.workers import descriptor_args, start_worker
-from dgr_prd.metrics import report, write_bench
+from dgr_records import report, write_bench
 from dgr_route.route import MODES, Route
 
 from dgr_bench import pinning
@@ -353,11 +353,13 @@ def paired(
     (idle between its turns), so the rounds time generations, not starts. A shared VM drifts by
     10% and more over minutes; a ratio taken within a round, where reference and route see the
     same machine, does not carry that drift (the table's rows, timed minutes apart, do)."""
-    from dgr_native import load
+    from dgr_route.engine import locate
     from dgr_route.local import even_layout
 
     prompt = prompt_tokens()
-    engine = load().Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
+    engine = (
+        locate().module().Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
+    )
     fleets: dict[str, list[Any]] = {}
     routes: dict[str, Route] = {}
     procs, servers = rpc_servers(with_rpc / "ggml-rpc-server", 2, threads)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
-from dgr_prd.metrics import report, write_bench
+from dgr_records import report, write_bench
 from dgr_route.route import Route
 
 from dgr_bench import pinning
@@ -136,12 +136,14 @@ def wan(
 ) -> dict[str, Any]:
     """`workers`: the 3-stage route; `pair`: a 2-stage route, the same number of remote hosts as
     the two RPC servers; every process at `threads`; `with_rpc`: the RPC lane's binaries."""
-    from dgr_native import load
+    from dgr_route.engine import locate
 
     # the floor's compute is timed beside each route round (the whole model in this process, at
     # the workers' threads): a shared VM drifts over the minutes this takes, and a floor measured
     # once at the start would carry that drift into every ratio
-    engine = load().Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
+    engine = (
+        locate().module().Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
+    )
     engine_round(engine, PROMPT, DECODE_TOKENS)  # untimed: the first graphs
     routes = {
         "dgr_forward_3stage": ("forward", workers),

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
-from dgr_prd.metrics import report, write_bench
+from dgr_records import report, write_bench
 from dgr_route.route import Draft
 
 from dgr_bench import spec
@@ -49,8 +49,8 @@ def prompts() -> dict[str, list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dgr_native import load
     from dgr_native.twins import twin_path
+    from dgr_route.engine import locate
 
     parser = argparse.ArgumentParser(prog="python -m dgr_bench.mtp")
     parser.add_argument("--threads", type=int, nargs="+", default=list(spec.THREADS))
@@ -69,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows_seen: list[dict[str, Any]] = []
     for threads in args.threads:
-        engine = load().Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
+        engine = (
+            locate()
+            .module()
+            .Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
+        )
         workers: list[WorkerProcess] = [
             start_worker(
                 model,

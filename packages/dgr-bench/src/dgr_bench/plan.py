@@ -213,7 +213,7 @@ def run_scenario(
 def main(argv: list[str] | None = None) -> int:
     from dgr_artifacts.manifest import build_manifest
     from dgr_artifacts.models import model_path
-    from dgr_prd.metrics import report, write_bench
+    from dgr_records import report, write_bench
 
     parser = argparse.ArgumentParser(prog="python -m dgr_bench.plan")
     parser.add_argument("--model", default="smollm2-135m-q4_1")

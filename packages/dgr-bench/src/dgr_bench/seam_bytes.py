@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 from dgr_cli.workers import descriptor_args, start_worker
-from dgr_prd.metrics import report, write_bench
+from dgr_records import report, write_bench
 from dgr_route.route import Route, SeamTraffic
 from dgr_wire.codec import REAL_V4, seam_bytes
 
@@ -39,11 +39,11 @@ def decode_traffic(addresses: list[str], wire_dtype: str, n_vocab: int) -> tuple
 
 def measure(name: str) -> dict[str, Any]:
     from dgr_artifacts.models import model_path
-    from dgr_native import load
+    from dgr_route.engine import locate
     from dgr_route.local import even_layout
 
     model = model_path(name)
-    whole = load().Engine(str(model), n_ctx=1024).describe()
+    whole = locate().module().Engine(str(model), n_ctx=1024).describe()
     layout = even_layout(int(whole["n_layer"]), 3)
     descriptor = descriptor_args(model)
     workers = [start_worker(model, a, b, descriptor=descriptor, n_ctx=1024) for a, b in layout]

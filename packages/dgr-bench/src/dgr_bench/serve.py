@@ -37,7 +37,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
-from dgr_prd.metrics import report, write_bench
+from dgr_records import report, write_bench
 from dgr_route.route import Route
 
 from dgr_bench.bench import engine_round, sessions_at_once
@@ -260,7 +260,7 @@ def check(gate: dict[str, float]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from dgr_artifacts.models import model_path
-    from dgr_native import load
+    from dgr_route.engine import locate
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-q4_1")
@@ -306,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"fewer than turn 7's prompt ({reuse[-2]['prompt_tokens']})"
                 )
         if "aggregate" not in args.skip:
-            engine = load().Engine(str(model), n_threads=THREADS, n_ctx=1024, max_sessions=1)
+            engine = (
+                locate().module().Engine(str(model), n_threads=THREADS, n_ctx=1024, max_sessions=1)
+            )
             prompt = [1000 + (i * 7) % 5000 for i in range(32)]
             compute_s = statistics.median(
                 1 / engine_round(engine, prompt, SESSION_TOKENS)["decode"] for _ in range(3)

@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
-from dgr_prd.metrics import report, write_bench
+from dgr_records import report, write_bench
 from dgr_route.route import Draft, DraftUsage, Route
 
 from dgr_bench.bench import engine_round
@@ -196,7 +196,7 @@ def sweep(
 
 def main(argv: list[str] | None = None) -> int:
     from dgr_artifacts.models import model_path
-    from dgr_native import load
+    from dgr_route.engine import locate
 
     parser = argparse.ArgumentParser(prog="python -m dgr_bench.spec")
     parser.add_argument("--model", default="smollm2-135m-q4_1")
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = model_path(args.model)
     descriptor = descriptor_args(model)
-    vocab = load().Vocabulary(str(model))
+    vocab = locate().module().Vocabulary(str(model))
     prompts = {task: list(vocab.tokenize(text)) for task, text in TASKS.items()}
     result: dict[str, Any] = {
         "model": args.model,
@@ -217,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     gate: dict[str, float] = {}
     for threads in args.threads:
-        engine = load().Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
+        engine = (
+            locate()
+            .module()
+            .Engine(str(model), 0, -1, n_threads=threads, n_ctx=1024, max_sessions=1)
+        )
         verify = verify_ms(engine, prompts["repetitive"])
         print(f"{threads}t verifying forward of n tokens, in process: {verify} ms", flush=True)
         workers: list[WorkerProcess] = [

@@ -16,7 +16,7 @@ from pathlib import Path
 from dgr_artifacts.manifest import DEFAULT_CHUNK, FileEntry, hash_file
 from dgr_artifacts.models import model_path
 from dgr_artifacts.verify import VerifyReport, verify_file
-from dgr_prd.metrics import report, write_bench
+from dgr_records import report, write_bench
 
 TARGET_BYTES = 512 * 2**20
 ROUNDS = 5

@@ -23,9 +23,9 @@ from dgr_meshnet.certification import CertificationRecord, hardware_sha256, seal
 from dgr_meshnet.collect import descriptor
 from dgr_prd.hardware import fingerprint
 from dgr_prd.lanes import available_lanes
-from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
 from dgr_prd.runner import git_state
+from dgr_records import report
 
 from dgr_cert.layout_parity import DEFAULT_MODELS
 from dgr_cert.layout_parity import certify as layout_parity

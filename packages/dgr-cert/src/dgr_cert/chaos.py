@@ -37,8 +37,8 @@ from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
 from dgr_bench.netsim import LinkProcess, start_link
 from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
-from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
+from dgr_records import report
 from dgr_route.route import Route, RouteError
 from dgr_route.session import RouteSession
 from dgr_wire.codec import FNV_OFFSET, prefix_hash

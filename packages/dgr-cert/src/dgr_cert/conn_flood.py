@@ -26,7 +26,7 @@ from typing import Any
 
 from dgr_artifacts.models import model_path
 from dgr_cli.workers import WorkerProcess, start_stages
-from dgr_prd.metrics import report, write_bench
+from dgr_records import report, write_bench
 from dgr_route.route import Route
 from dgr_route.security import Security
 

@@ -36,8 +36,8 @@ from typing import TextIO
 import numpy as np
 from dgr_artifacts.downloads import cache_dir
 from dgr_native.twins import ArchTwin, generate
-from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
+from dgr_records import report
 
 # small enough that a decode takes microseconds: fuzzing is executions per second
 FUZZ_TWIN = ArchTwin(

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from dgr_cli.workers import descriptor_args, start_worker
 from dgr_native.parity import reference_run
-from dgr_prd.metrics import report, write_bench
+from dgr_records import report, write_bench
 from dgr_route.route import Route
 
 BAR_NMSE = 1e-4

@@ -34,7 +34,7 @@ import numpy as np
 from dgr_cli.workers import descriptor_args, start_worker
 from dgr_native.parity import ParityResult, compare, reference_run, top_k_overlap
 from dgr_native.scenarios import ModelStructure, Scenario, generate
-from dgr_prd.metrics import report
+from dgr_records import report
 from dgr_route.local import Chain
 from dgr_route.route import Draft, DraftUsage, Route
 from dgr_wire.codec import REAL_V4, seam_bytes

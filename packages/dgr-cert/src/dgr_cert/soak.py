@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from dgr_cli.workers import descriptor_args, start_worker
-from dgr_prd.metrics import report
 from dgr_prd.paths import find_root
+from dgr_records import report
 from dgr_route.route import Route, Sampling
 from dgr_route.session import RouteSession
 

@@ -6,8 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dgr_prd.metrics import report
 from dgr_prd.native_pin import patch_stack_hash
+from dgr_records import report
 
 from dgr_llamacpp import patches
 from dgr_llamacpp.build import DEFAULT_TARGETS, LANE_OPTIONS, BuildError, build

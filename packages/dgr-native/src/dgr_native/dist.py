@@ -2,7 +2,7 @@
 
 - `build_dist`: the dgr-engine wheel (scikit-build-core: the `_dgr_engine` module,
   `dgr-shard-worker` and the patched libllama they link) and a pure-Python wheel for each runtime
-  package.
+  package, `dgr plan` and `dgr bench` included (none requires the planning or build tools).
 - `check_install`: the README's "Install on a worker machine" block, run as written on those
   wheels in a fresh virtual environment outside the checkout (only the ports differ, and it waits
   for what it starts in the background to listen), then a probe that nothing of the checkout is
@@ -29,16 +29,20 @@ from pathlib import Path
 from typing import Any
 
 from dgr_artifacts.downloads import cache_dir
-from dgr_prd.metrics import report
+from dgr_records import report
 
 from dgr_native.build import workspace
 from dgr_native.wheel import UV, build_wheel
 
-# the runtime chain, wire to command line, and the artifacts it verifies and provisions with
+# the runtime chain, wire to command line, and the artifacts it verifies and provisions with;
+# then `dgr plan` and `dgr bench` (the planner, its tracker inputs, the benches, and how they
+# record what they measured)
 RUNTIME = ["dgr-wire", "dgr-route", "dgr-serve", "dgr-cli", "dgr-artifacts"]
+RUNTIME_TOOLS = ["dgr-records", "dgr-meshnet", "dgr-placement", "dgr-bench"]
 # what must and must not be importable where the wheels are installed
 PRESENT = ["dgr_engine", "dgr.v1", "dgr_wire", "dgr_route", "dgr_serve", "dgr_cli", "dgr_artifacts"]
-ABSENT = ["dgr_native", "dgr_prd", "dgr_llamacpp", "dgr_bench", "dgr_cert", "matplotlib", "nox"]
+PRESENT += ["dgr_records", "dgr_meshnet", "dgr_placement", "dgr_bench"]
+ABSENT = ["dgr_native", "dgr_prd", "dgr_llamacpp", "dgr_cert", "matplotlib", "nox"]
 PRELUDE = """set -euo pipefail
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 ready() {  # a port that accepts connections: what was started with & is up
@@ -56,7 +60,7 @@ def build_dist(out: Path, lane: str = "cpu") -> list[Path]:
     out.mkdir(parents=True)
     root = workspace().repo.root
     wheels = [build_wheel(out, lane)]
-    for package in RUNTIME:
+    for package in RUNTIME + RUNTIME_TOOLS:
         subprocess.run(
             [UV, "build", "-q", "--wheel", str(root / "packages" / package), "--out-dir", str(out)],
             check=True,

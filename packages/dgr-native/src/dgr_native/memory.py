@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dgr_prd.metrics import report, write_bench
+from dgr_records import report, write_bench
 
 TARGET_RATIO = 1.15
 PROMPT_TOKENS = 128

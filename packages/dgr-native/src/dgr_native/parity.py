@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dgr_prd.metrics import report
+from dgr_records import report
 from dgr_route.local import ENGINE_OPTIONS, Chain, even_layout
 
 from dgr_native import load

@@ -16,7 +16,7 @@ from dgr_llamacpp.build import build_root
 from dgr_llamacpp.fetch import fetch
 from dgr_llamacpp.patches import apply_stack
 from dgr_llamacpp.workspace import open_workspace
-from dgr_prd.metrics import report
+from dgr_records import report
 
 from dgr_native import load
 from dgr_native.build import build_identity, checkout_key, engine_source

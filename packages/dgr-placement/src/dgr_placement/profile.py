@@ -146,9 +146,9 @@ def worker_overhead(model: Path, options: WorkerOptions, estimate: int, layer: i
 
 
 def profile_model(model: Path, manifest: ArtifactManifest, options: WorkerOptions) -> ModelProfile:
-    from dgr_native import load
+    from dgr_route.engine import locate
 
-    m = load()
+    m = locate().module()
     n = manifest.n_layer
     per_layer = [_estimate(m, model, i, i + 1, options) for i in range(n)]
     whole = _estimate(m, model, 0, n, options)
@@ -254,9 +254,9 @@ def _decode_ms(addresses: list[str], prompt: list[int], decode: int, rounds: int
 
 
 def _describe(model: Path) -> Any:
-    from dgr_native import load
+    from dgr_route.engine import locate
 
-    return load().Engine(str(model), 0, 1, estimate_only=True).describe()
+    return locate().module().Engine(str(model), 0, 1, estimate_only=True).describe()
 
 
 def probe_engines(model: Path, threads: int, prompt: int = 32, decode: int = 48) -> Compute:
@@ -265,9 +265,9 @@ def probe_engines(model: Path, threads: int, prompt: int = 32, decode: int = 48)
     spinning threads would take the cores from the one timed), each fed what the previous one
     produced for a prompt and `decode` single-token steps."""
     import numpy as np
-    from dgr_native import load
+    from dgr_route.engine import locate
 
-    m = load()
+    m = locate().module()
     n = int(_describe(model)["n_layer"])
     if n < 3:
         raise ValueError(f"the probe needs 3 or more layers; {model} has {n}")

@@ -7,11 +7,12 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from dgr_records import report
+
 from dgr_prd import legacy, runner
 from dgr_prd.evidence import latest_record
 from dgr_prd.hardware import fingerprint
 from dgr_prd.lanes import available_lanes
-from dgr_prd.metrics import report
 from dgr_prd.model import Prd, Status
 from dgr_prd.paths import RepoPaths, find_root
 from dgr_prd.projections import stale_projections, write_projections
@@ -101,8 +102,9 @@ def cmd_site(paths: RepoPaths, args: argparse.Namespace) -> int:
 
 
 def cmd_gate(paths: RepoPaths, args: argparse.Namespace) -> int:
+    from dgr_records import report
+
     from dgr_prd import gate
-    from dgr_prd.metrics import report
 
     rows = gate.evaluate(paths, _load(paths), args.gate)
     print(f"gate {args.gate}:")
@@ -124,8 +126,9 @@ def cmd_gate(paths: RepoPaths, args: argparse.Namespace) -> int:
 
 
 def cmd_gate_review(paths: RepoPaths, args: argparse.Namespace) -> int:
+    from dgr_records import report
+
     from dgr_prd import review
-    from dgr_prd.metrics import report
 
     r = review.review(paths, _load(paths), args.gate)
     print("\n".join(review.render(r)))

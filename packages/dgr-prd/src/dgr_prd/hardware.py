@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import re
 import shutil
@@ -13,26 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# Flags that change which kernels llama.cpp builds or can run (see FACTS.md on AMX).
-NOTABLE_CPU_FLAGS = (
-    "sse4_2",
-    "avx",
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512_vnni",
-    "avx512_bf16",
-    "avx_vnni",
-    "amx_tile",
-    "amx_int8",
-    "amx_bf16",
-    "neon",
-    "asimd",
-    "sve",
-)
+from dgr_records import cpu_info
 
 
 def _run(cmd: list[str], timeout: float = 10.0) -> str | None:
@@ -43,26 +23,6 @@ def _run(cmd: list[str], timeout: float = 10.0) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
-
-
-def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
-    model = platform.processor() or platform.machine()
-    flags: list[str] = []
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text(encoding="utf-8", errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("model name", "Hardware", "cpu model") and value.strip():
-                model = value.strip()
-            elif key in ("flags", "Features") and not flags:
-                flags = value.split()
-    return {
-        "model": model,
-        "arch": platform.machine(),
-        "cores": os.cpu_count() or 1,
-        "flags_sha256": hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16],
-        "notable_flags": [f for f in NOTABLE_CPU_FLAGS if f in flags],
-    }
 
 
 def memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from dgr_records import checkout
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,8 @@ def find_root(start: Path | None = None) -> RepoPaths:
 
     DGR_REPO_ROOT overrides the search, which lets tests run the tools on a copy of the repo.
     """
-    env = os.environ.get("DGR_REPO_ROOT")
-    if env:
-        return RepoPaths(Path(env).resolve())
-    here = (start or Path.cwd()).resolve()
-    for candidate in (here, *here.parents):
-        if (candidate / "prd.json").is_file():
-            return RepoPaths(candidate)
-    raise FileNotFoundError(f"no prd.json at or above {here}; run from the DGR repository")
+    root = checkout(start)
+    if root is None:
+        here = (start or Path.cwd()).resolve()
+        raise FileNotFoundError(f"no prd.json at or above {here}; run from the DGR repository")
+    return RepoPaths(root)

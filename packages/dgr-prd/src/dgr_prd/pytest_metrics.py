@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from dgr_prd.metrics import report
+from dgr_records import report
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -24,6 +24,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
+from dgr_records import git_state as records_git_state
+
 from dgr_prd.evidence import (
     CommandRecord,
     EvidenceRecord,
@@ -80,20 +82,7 @@ def new_run_id() -> str:
 
 
 def git_state(root: Path) -> GitState:
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(
-                ["git", *args], cwd=root, capture_output=True, text=True, timeout=30, check=False
-            )
-        except OSError:
-            return None
-        return out.stdout if out.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain")
-    return GitState(
-        commit=commit.strip() if commit else None, dirty=bool(status and status.strip())
-    )
+    return GitState(**records_git_state(root))
 
 
 def _trim_log(full_log: Path, out: Path) -> None:
