@@ -13,7 +13,7 @@ import pytest
 from dgr_prd.paths import RepoPaths
 
 REPO = Path(__file__).resolve().parents[3]
-PLANNING_FILES = ["prd.json", "PRD.md", "RALPH-CONTEXT.md", "noxfile.py"]
+PLANNING_FILES = ["prd.json", "PRD.md", "RALPH-CONTEXT.md", "noxfile.py", "docs/perf.md"]
 PLANNING_DIRS = ["schemas", "stories", "evidence"]
 
 
@@ -43,6 +43,7 @@ def repo_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RepoPaths:
     root = tmp_path / "repo"
     root.mkdir()
     for name in PLANNING_FILES:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, root / name)
     for name in PLANNING_DIRS:
         if (REPO / name).is_dir():

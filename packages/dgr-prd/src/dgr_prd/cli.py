@@ -101,6 +101,28 @@ def cmd_site(paths: RepoPaths, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_perf(paths: RepoPaths, args: argparse.Namespace) -> int:
+    """The bench log: with --backfill, its runs from the git history of evidence/bench/ merged
+    in (each run once); then docs/perf.md regenerated from it."""
+    import json
+
+    from dgr_records import HISTORY
+
+    from dgr_prd.perf import backfill, read_history, render_perf
+
+    log = paths.evidence / "bench" / HISTORY
+    if args.backfill:
+        runs = {(r["bench"], r["measured_utc"]): r for r in backfill(paths)}
+        runs |= {(r["bench"], r["measured_utc"]): r for r in read_history(log)}
+        ordered = sorted(runs.values(), key=lambda r: (r["measured_utc"], r["bench"]))
+        log.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in ordered))
+        print(f"{log.relative_to(paths.root)}: {len(ordered)} runs")
+    out = paths.docs / "perf.md"
+    out.write_text(render_perf(paths), encoding="utf-8")
+    print(f"wrote {out.relative_to(paths.root)}")
+    return 0
+
+
 def cmd_gate(paths: RepoPaths, args: argparse.Namespace) -> int:
     from dgr_records import report
 
@@ -158,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         "status": (cmd_status, "print every story's status and last evidence"),
         "fingerprint": (cmd_fingerprint, "print this machine's hardware fingerprint and lanes"),
         "check-legacy": (cmd_check_legacy, "DGR-017: no legacy specs, prd.json the authority"),
+        "perf": (cmd_perf, "regenerate docs/perf.md from the bench log (--backfill: from git)"),
         "site": (cmd_site, "generate the evidence-site pages into docs/generated/"),
         "gate": (cmd_gate, "check a gate's thresholds (prd.json) against the newest evidence"),
         "gate-review": (
@@ -171,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         if name in ("gate", "gate-review"):
             p.add_argument("gate", help="gate id, e.g. alpha")
+        if name == "perf":
+            p.add_argument("--backfill", action="store_true", help="add the runs git holds")
         if name == "project":
             p.add_argument("--check", action="store_true", help="fail when anything is stale")
         if name == "run-story":

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dgr_prd.evidence import latest_record
 from dgr_prd.model import Prd, Story
+from dgr_prd.perf import render_perf
 from dgr_prd.paths import RepoPaths
 
 GENERATED_NOTE = "<!-- Generated from prd.json by `nox -s prd`; edit prd.json, not this file. -->"
@@ -120,6 +121,7 @@ def expected_projections(paths: RepoPaths, prd: Prd) -> dict[Path, str]:
         files[paths.stories / f"{story.id}.md"] = render_story(story)
     ralph = paths.ralph.read_text(encoding="utf-8")
     files[paths.ralph] = refresh_ralph(ralph, render_status(prd, paths.evidence))
+    files[paths.docs / "perf.md"] = render_perf(paths)
     return files
 
 
@@ -128,6 +130,7 @@ def write_projections(paths: RepoPaths, prd: Prd) -> list[Path]:
     changed = []
     for path, text in expected_projections(paths, prd).items():
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
             changed.append(path)
     return changed

@@ -5,7 +5,9 @@
 - `write_bench`: a bench's result as evidence/bench/<name>.json in the checkout (what the gates and
   the evidence site read), or as the file a command was told to write, with the host it ran on
   and the commit it measured;
-- `cpu_info` and `git_state`: that host and that commit.
+- `cpu_info` and `git_state`: that host and that commit;
+- `headline`: the numbers of a bench's result that its log keeps (evidence/bench/history.jsonl,
+  one line per run written into the checkout, from which docs/perf.md is generated).
 
 The runtime's benches (`dgr bench`) and the planner's probes use this without the planning
 package (dgr-prd), which reads the same records."""
@@ -17,8 +19,11 @@ import json
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
+
+HISTORY = "history.jsonl"  # the bench log, beside the benches' latest results
 
 # Flags that change which kernels llama.cpp builds or can run (see FACTS.md on AMX).
 NOTABLE_CPU_FLAGS = (
@@ -110,11 +115,51 @@ def git_state(root: Path) -> dict[str, Any]:
     return {"commit": commit.strip() if commit else None, "dirty": bool(status and status.strip())}
 
 
+def headline(result: dict[str, Any]) -> dict[str, float]:
+    """The numbers a bench's log keeps: what its gates read (`gate_metrics`, one section's keys
+    bare, several as `section.key`), else its top-level numbers (flags and counts of nothing
+    left out, and a stated target, which is no measurement)."""
+    gates = result.get("gate_metrics")
+    if isinstance(gates, dict) and gates:
+        single = len(gates) == 1
+        return {
+            (key if single else f"{section}.{key}"): float(value)
+            for section, values in gates.items()
+            if isinstance(values, dict)
+            for key, value in values.items()
+            if isinstance(value, int | float) and not isinstance(value, bool)
+        }
+    return {
+        key: float(value)
+        for key, value in result.items()
+        if isinstance(value, int | float) and not isinstance(value, bool) and key != "target"
+    }
+
+
+def history_line(name: str, result: dict[str, Any], source: str = "write_bench") -> dict[str, Any]:
+    """One run of bench `name` as its log keeps it: when, which commit and host, the headline."""
+    git = result.get("git") or {}
+    cpu = (result.get("host") or {}).get("cpu") or {}
+    return {
+        "bench": name,
+        "measured_utc": result.get("measured_utc")
+        or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": git.get("commit"),
+        "dirty": git.get("dirty"),
+        "cores": cpu.get("cores") or result.get("cores"),
+        "cpu": cpu.get("model"),
+        "source": source,
+        "metrics": headline(result),
+    }
+
+
 def write_bench(name: str, result: dict[str, Any], out: Path | None = None) -> Path:
     """Write a bench's result, with the host it ran on (the CPU and its cores, the gate's host
     condition) and the commit it measured, to `out` or else the checkout's
-    evidence/bench/<name>.json; returns the path. Outside a checkout `out` is required."""
+    evidence/bench/<name>.json, there also appending its headline to the bench log
+    (evidence/bench/history.jsonl); returns the path. Outside a checkout `out` is required."""
     root = checkout()
+    log = None
     if out is None:
         if root is None:
             raise FileNotFoundError(
@@ -122,9 +167,13 @@ def write_bench(name: str, result: dict[str, Any], out: Path | None = None) -> P
                 "name the file to write"
             )
         out = root / "evidence" / "bench" / f"{name}.json"
+        log = out.parent / HISTORY
     result.setdefault("host", {"cpu": cpu_info()})
     if root is not None:
         result.setdefault("git", git_state(root))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    if log is not None:
+        with log.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(history_line(name, result), sort_keys=True) + "\n")
     return out
