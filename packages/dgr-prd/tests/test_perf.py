@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from dgr_records import HISTORY, write_bench
-
 from dgr_prd.paths import RepoPaths, find_root
 from dgr_prd.perf import read_history, render_perf
+from dgr_records import HISTORY, write_bench
 
 
 def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RepoPaths:

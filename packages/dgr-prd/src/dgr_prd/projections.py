@@ -9,8 +9,8 @@ from pathlib import Path
 
 from dgr_prd.evidence import latest_record
 from dgr_prd.model import Prd, Story
-from dgr_prd.perf import render_perf
 from dgr_prd.paths import RepoPaths
+from dgr_prd.perf import render_perf
 
 GENERATED_NOTE = "<!-- Generated from prd.json by `nox -s prd`; edit prd.json, not this file. -->"
 STATUS_BEGIN = "<!-- BEGIN GENERATED STATUS (nox -s prd) -->"
