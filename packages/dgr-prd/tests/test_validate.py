@@ -19,7 +19,6 @@ def _issues(paths: RepoPaths) -> list[PrdIssue]:
 def test_the_real_backlog_is_valid(repo: RepoPaths) -> None:
     prd = validate_file(repo.prd, repo.schemas / "prd.schema.json", repo.evidence)
     assert [s.id for s in prd.stories] == EXPECTED_IDS
-    assert len(prd.stories) == 55
 
 
 def test_unknown_dependency(repo_copy: RepoPaths, edit_story: Any) -> None:
