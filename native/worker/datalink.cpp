@@ -1,4 +1,5 @@
 #include "datalink.h"
+#include "clock.h"
 
 #include <grpcpp/server_posix.h>
 
@@ -28,11 +29,6 @@ using grpc::Status;
 using grpc::StatusCode;
 
 namespace {
-
-int64_t now_ms() {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-}
 
 // TCP_NODELAY: a small message (a boundary, a token) goes out at once, not after the peer's
 // delayed ACK of the one before
@@ -130,7 +126,7 @@ Status check_hello(const dgr::v1::DataHello & hello) {
 }
 
 FrameConn::FrameConn(int fd, int keepalive_ms, uint64_t max_payload)
-    : fd_(fd), keepalive_ms_(keepalive_ms), max_payload_(max_payload), last_sent_ms_(now_ms()) {
+    : fd_(fd), keepalive_ms_(keepalive_ms), max_payload_(max_payload), last_sent_ms_(steady_ms()) {
     tune(fd_, keepalive_ms_);
 }
 
@@ -147,7 +143,7 @@ bool FrameConn::send_raw(const void * data, size_t n) {
         p += w;
         n -= (size_t) w;
     }
-    last_sent_ms_.store(now_ms());
+    last_sent_ms_.store(steady_ms());
     return true;
 }
 
@@ -162,7 +158,7 @@ bool FrameConn::send(dgr::v1::DataFrame kind, const google::protobuf::MessageLit
 }
 
 void FrameConn::beat() {
-    if (now_ms() - last_sent_ms_.load() < keepalive_ms_ / 2) return;
+    if (steady_ms() - last_sent_ms_.load() < keepalive_ms_ / 2) return;
     std::unique_lock<std::mutex> lock(send_mutex_, std::try_to_lock);
     if (!lock.owns_lock()) return;  // a frame is going out: that is a sign of life already
     uint8_t alive[kFrameHeader];
@@ -177,9 +173,9 @@ Status FrameConn::fill(size_t need, bool * ended) {
         in_at_ = 0;
     }
     const int64_t silent_ms = keepalive_ms_ + keepalive_ms_ / 2;
-    int64_t heard = now_ms();
+    int64_t heard = steady_ms();
     while (in_.size() - in_at_ < need) {
-        const int64_t left = silent_ms - (now_ms() - heard);
+        const int64_t left = silent_ms - (steady_ms() - heard);
         if (left <= 0) {
             return Status(StatusCode::UNAVAILABLE,
                           "the peer sent nothing for " + std::to_string(silent_ms) + " ms (keepalive)");
@@ -205,7 +201,7 @@ Status FrameConn::fill(size_t need, bool * ended) {
             return Status(StatusCode::UNAVAILABLE, "data stream: the peer closed it within a frame");
         }
         in_.append(buf, (size_t) r);
-        heard = now_ms();
+        heard = steady_ms();
     }
     return Status::OK;
 }

@@ -1,6 +1,7 @@
 #include "service.h"
 
 #include "head_session.h"
+#include "clock.h"
 
 #include "drafting.h"
 #include "sampling.h"
@@ -415,7 +416,7 @@ public:
                 flow->push(HeadFlow::Event{HeadFlow::Event::failure, {}, {}, e});
             });
         }
-        if (r.last_chunk()) flow_->sent_ns.store(now_ns());  // a token will come back for it
+        if (r.last_chunk()) flow_->sent_ns.store(steady_ns());  // a token will come back for it
         dgr::v1::ForwardReply reply;
         if (Status st = service_.compute(r, &reply, peers); !st.ok()) return st;
         if (service_.desc_.is_tail) {
@@ -430,12 +431,6 @@ public:
     void forgo(const Cohort & cohort) override { service_.batcher_.forgo(cohort); }
     void in_parts() override { service_.metrics_.step_in_parts(); }
     void close_link() { down_.reset(); }
-
-    static int64_t now_ns() {
-        return (int64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
-                   std::chrono::steady_clock::now().time_since_epoch())
-            .count();
-    }
 
 private:
     ShardService & service_;

@@ -1,4 +1,5 @@
 #include "slots.h"
+#include "clock.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -18,12 +19,6 @@
 namespace dgr::worker {
 
 namespace {
-
-int64_t now_ns() {
-    return (int64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-}
 
 cpu_set_t to_set(const std::vector<int32_t> & cpus) {
     cpu_set_t set;
@@ -68,7 +63,7 @@ ComputeSlots::~ComputeSlots() {
 }
 
 void ComputeSlots::mark_contended() {
-    const int64_t now = now_ns();
+    const int64_t now = steady_ns();
     contended_ns_.store(now);
     if (contended_fd_ >= 0) (void) !pwrite(contended_fd_, &now, sizeof(now), 0);
 }
@@ -124,7 +119,7 @@ ComputeSlots::Hold ComputeSlots::acquire() {
 void ComputeSlots::settle(bool lone) {
     if (home_.empty() || home_.size() == allowed_.size()) return;  // nothing to choose between
     const int64_t calm_since = lone ? last_contended() + std::chrono::nanoseconds(kContendedFor).count() : 0;
-    const int want = lone && now_ns() >= calm_since ? 1 : 0;
+    const int want = lone && steady_ns() >= calm_since ? 1 : 0;
     if (settled_.exchange(want) == want) return;
     const cpu_set_t set = to_set(want == 1 ? home_ : allowed_);
     // every thread of the process, this one included; a thread started meanwhile by one not yet
