@@ -17,7 +17,7 @@ from dgr_artifacts.errors import (
     TruncatedGguf,
     UnsupportedGgufVersion,
 )
-from dgr_artifacts.identity import fingerprint, open_model, read_gguf
+from dgr_artifacts.identity import fingerprint, open_model, read_gguf, stored_fingerprint
 
 
 def test_header_hparams_and_tensor_table(smollm2: Path) -> None:
@@ -97,3 +97,54 @@ def test_incomplete_and_duplicated_split_sets(split_sets: dict[str, Path], tmp_p
     shutil.copyfile(work / parts[0].name, work / parts[1].name)
     with pytest.raises(DuplicateSplitPart, match=r"split\.no 0"):
         open_model(work / parts[0].name)
+
+
+def test_a_stored_fingerprint_is_hashed_once_per_version_of_the_files(
+    model_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dgr_artifacts import identity
+
+    store = tmp_path / "store"
+    first = stored_fingerprint(model_copy, store)
+    assert first == fingerprint(open_model(model_copy))
+
+    def no_reading(_: Path) -> None:
+        raise AssertionError("the model was read again")
+
+    with monkeypatch.context() as m:
+        m.setattr(identity, "open_model", no_reading)
+        assert stored_fingerprint(model_copy, store) == first  # from the store, nothing read
+    tensor = next(t for t in read_gguf(model_copy).tensors if t.name == "blk.3.attn_q.weight")
+    with model_copy.open("r+b") as fh:  # a byte written in place: same size, a new ctime
+        fh.seek(tensor.offset + 7)
+        byte = fh.read(1)
+        fh.seek(tensor.offset + 7)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    changed = stored_fingerprint(model_copy, store)
+    assert changed != first and changed == fingerprint(open_model(model_copy))
+    # a store that cannot be written costs the hash, not the answer
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert stored_fingerprint(model_copy, blocked / "store") == changed
+
+
+def test_a_stored_fingerprint_of_a_split_set_sees_a_change_in_any_part(
+    split_sets: dict[str, Path], tmp_path: Path, smollm2: Path
+) -> None:
+    import shutil
+
+    first = next(iter(split_sets.values()))
+    copy = tmp_path / "split"
+    shutil.copytree(first.parent, copy)
+    head = copy / first.name
+    store = tmp_path / "store"
+    whole = stored_fingerprint(smollm2, store)
+    assert stored_fingerprint(head, store) == whole  # split or not, the same model
+    last = sorted(copy.glob("smol-*.gguf"))[-1]
+    tensor = read_gguf(last).tensors[-1]
+    with last.open("r+b") as fh:
+        fh.seek(tensor.offset)
+        byte = fh.read(1)
+        fh.seek(tensor.offset)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    assert stored_fingerprint(head, store) == fingerprint(open_model(head)) != whole

@@ -4,10 +4,9 @@ use, and bounded (checked against a brute-force reference)."""
 
 from __future__ import annotations
 
+from dgr_route.prefixes import PrefixIndex
 from hypothesis import given
 from hypothesis import strategies as st
-
-from dgr_route.prefixes import PrefixIndex
 
 
 def test_the_longest_shared_history_is_taken_and_leaves_the_index() -> None:

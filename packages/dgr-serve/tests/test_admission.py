@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
 from dgr_serve.admission import WATCH_S, Admission, Bridge, Full
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -230,3 +231,41 @@ def fingerprint(model: GgufModel) -> str:
     }
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _file_version(path: Path) -> list[object]:
+    """What changes when a file's bytes may have: where it is (device, inode), its size, its
+    modification time and its status-change time (which any write moves, and no one sets)."""
+    st = path.stat()
+    return [str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def stored_fingerprint(path: Path, store: Path | None = None) -> str:
+    """The fingerprint of the model at `path` (one GGUF or any part of a split set), computed
+    once per version of its files on this machine and kept in `store` (default
+    $DGR_CACHE/fingerprints) under the `_file_version` of `path`, with every part's: a worker
+    start then reads neither tensor data (hashing hundreds of GB takes minutes) nor the header
+    (gguf's reader spends seconds on a large vocabulary), and a part written to since is hashed
+    again. A store that cannot be read or written is skipped."""
+    from dgr_artifacts.downloads import cache_dir
+
+    name = hashlib.sha256(json.dumps(_file_version(path)).encode()).hexdigest()[:32]
+    entry = (store or cache_dir() / "fingerprints") / f"{name}.json"
+    try:
+        held = json.loads(entry.read_text(encoding="utf-8"))
+        versions = held["versions"]
+        if [_file_version(Path(v[0])) for v in versions] == versions:
+            return str(held["fingerprint"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        pass
+    model = open_model(path)
+    value = fingerprint(model)
+    record = {"versions": [_file_version(p.path) for p in model.parts], "fingerprint": value}
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        partial = entry.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(record), encoding="utf-8")
+        partial.replace(entry)
+    except OSError:
+        pass
+    return value

@@ -71,10 +71,11 @@ class WorkerProcess:
 
 def descriptor_args(model: Path) -> list[str]:
     """The model's fingerprint, which a worker reports beside the build identity compiled into
-    it (llama.cpp commit, patch stack, lane): nothing here depends on a checkout."""
-    from dgr_artifacts.identity import fingerprint, open_model
+    it (llama.cpp commit, patch stack, lane): nothing here depends on a checkout. Hashed once per
+    version of the model's files on this machine (`stored_fingerprint`)."""
+    from dgr_artifacts.identity import stored_fingerprint
 
-    return ["--model-fingerprint", fingerprint(open_model(model))]
+    return ["--model-fingerprint", stored_fingerprint(model)]
 
 
 def start_worker(
