@@ -31,6 +31,7 @@ def test_refuses_what_it_cannot_time(args: list[str], message: str) -> None:
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+@pytest.mark.fleet  # dgr bench starts its workers
 def test_times_a_route_against_the_engine(smollm2: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     done = dgr(
