@@ -100,10 +100,14 @@ def test_incomplete_and_duplicated_split_sets(split_sets: dict[str, Path], tmp_p
 
 
 def test_a_stored_fingerprint_is_hashed_once_per_version_of_the_files(
-    model_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    quick_twin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import shutil
+
     from dgr_artifacts import identity
 
+    model_copy = tmp_path / quick_twin.name
+    shutil.copyfile(quick_twin, model_copy)
     store = tmp_path / "store"
     first = stored_fingerprint(model_copy, store)
     assert first == fingerprint(open_model(model_copy))
@@ -114,7 +118,7 @@ def test_a_stored_fingerprint_is_hashed_once_per_version_of_the_files(
     with monkeypatch.context() as m:
         m.setattr(identity, "open_model", no_reading)
         assert stored_fingerprint(model_copy, store) == first  # from the store, nothing read
-    tensor = next(t for t in read_gguf(model_copy).tensors if t.name == "blk.3.attn_q.weight")
+    tensor = read_gguf(model_copy).tensors[-1]
     with model_copy.open("r+b") as fh:  # a byte written in place: same size, a new ctime
         fh.seek(tensor.offset + 7)
         byte = fh.read(1)
@@ -129,7 +133,7 @@ def test_a_stored_fingerprint_is_hashed_once_per_version_of_the_files(
 
 
 def test_a_stored_fingerprint_of_a_split_set_sees_a_change_in_any_part(
-    split_sets: dict[str, Path], tmp_path: Path, smollm2: Path
+    split_sets: dict[str, Path], tmp_path: Path
 ) -> None:
     import shutil
 
@@ -138,8 +142,7 @@ def test_a_stored_fingerprint_of_a_split_set_sees_a_change_in_any_part(
     shutil.copytree(first.parent, copy)
     head = copy / first.name
     store = tmp_path / "store"
-    whole = stored_fingerprint(smollm2, store)
-    assert stored_fingerprint(head, store) == whole  # split or not, the same model
+    before = stored_fingerprint(head, store)
     last = sorted(copy.glob("smol-*.gguf"))[-1]
     tensor = read_gguf(last).tensors[-1]
     with last.open("r+b") as fh:
@@ -147,4 +150,4 @@ def test_a_stored_fingerprint_of_a_split_set_sees_a_change_in_any_part(
         byte = fh.read(1)
         fh.seek(tensor.offset)
         fh.write(bytes([byte[0] ^ 0x01]))
-    assert stored_fingerprint(head, store) == fingerprint(open_model(head)) != whole
+    assert stored_fingerprint(head, store) != before  # the last part changed: hashed again
