@@ -12,6 +12,7 @@ import json
 import os
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -240,27 +241,29 @@ def _file_version(path: Path) -> list[object]:
     return [str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def stored_fingerprint(path: Path, store: Path | None = None) -> str:
-    """The fingerprint of the model at `path` (one GGUF or any part of a split set), computed
-    once per version of its files on this machine and kept in `store` (default
-    $DGR_CACHE/fingerprints) under the `_file_version` of `path`, with every part's: a worker
-    start then reads neither tensor data (hashing hundreds of GB takes minutes) nor the header
-    (gguf's reader spends seconds on a large vocabulary), and a part written to since is hashed
+def stored(
+    path: Path, kind: str, compute: Callable[[GgufModel], Any], store: Path | None = None
+) -> Any:
+    """`compute(open_model(path))` (a JSON value), computed once per version of the model's
+    files on this machine and kept in `store` (default $DGR_CACHE/<kind>) under the
+    `_file_version` of `path` (one GGUF or any part of a split set), with every part's: asking
+    again reads neither tensor data (hashing hundreds of GB takes minutes) nor the header
+    (gguf's reader spends seconds on a large vocabulary), and a part written to since is read
     again. A store that cannot be read or written is skipped."""
     from dgr_artifacts.downloads import cache_dir
 
     name = hashlib.sha256(json.dumps(_file_version(path)).encode()).hexdigest()[:32]
-    entry = (store or cache_dir() / "fingerprints") / f"{name}.json"
+    entry = (store or cache_dir() / kind) / f"{name}.json"
     try:
         held = json.loads(entry.read_text(encoding="utf-8"))
         versions = held["versions"]
         if [_file_version(Path(v[0])) for v in versions] == versions:
-            return str(held["fingerprint"])
+            return held["value"]
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         pass
     model = open_model(path)
-    value = fingerprint(model)
-    record = {"versions": [_file_version(p.path) for p in model.parts], "fingerprint": value}
+    value = compute(model)
+    record = {"versions": [_file_version(p.path) for p in model.parts], "value": value}
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         partial = entry.with_suffix(f".{os.getpid()}.tmp")
@@ -269,3 +272,9 @@ def stored_fingerprint(path: Path, store: Path | None = None) -> str:
     except OSError:
         pass
     return value
+
+
+def stored_fingerprint(path: Path, store: Path | None = None) -> str:
+    """`fingerprint` of the model at `path`, as `stored` keeps it: what a worker start
+    reports, without hashing the model at every start."""
+    return str(stored(path, "fingerprints", fingerprint, store))

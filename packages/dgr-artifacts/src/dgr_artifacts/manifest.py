@@ -10,7 +10,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from dgr_artifacts.identity import GgufModel, fingerprint, open_model
+from dgr_artifacts.identity import GgufModel, fingerprint, open_model, stored
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 DEFAULT_CHUNK = 16 * 2**20
@@ -105,6 +105,14 @@ def build_manifest(model: GgufModel | Path, chunk_size: int = DEFAULT_CHUNK) -> 
         files=files,
         tensors=tensors,
     )
+
+
+def stored_manifest(path: Path, store: Path | None = None) -> ArtifactManifest:
+    """`build_manifest` of the model at `path`, as identity.stored keeps it (once per version
+    of its files): what `dgr plan` and `dgr worker --recipe` check against, without hashing the
+    whole model each time. `dgr artifacts manifest` always builds afresh."""
+    value = stored(path, "manifests", lambda m: build_manifest(m).model_dump(mode="json"), store)
+    return ArtifactManifest.model_validate(value)
 
 
 def load_manifest(path: Path) -> ArtifactManifest:

@@ -33,13 +33,13 @@ def worker_layers(args: argparse.Namespace, model: Path) -> tuple[str, list[str]
         if args.layers is None:
             raise ValueError("--layers FIRST:LAST is required (or --recipe FILE --node NAME)")
         return args.layers, descriptor_args(model)
-    from dgr_artifacts.manifest import build_manifest
+    from dgr_artifacts.manifest import stored_manifest
     from dgr_artifacts.recipe import load_recipe
 
     if args.node is None:
         raise ValueError("--recipe needs --node NAME: which of its stages this worker serves")
     recipe = load_recipe(args.recipe)
-    manifest = build_manifest(model)
+    manifest = stored_manifest(model)
     recipe.check(manifest)
     layers = str(recipe.stage_of(args.node).layers)
     if args.layers is not None and args.layers != layers:

@@ -71,14 +71,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def make_plan(model: Path, nodes: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from dgr_artifacts.manifest import build_manifest
+    from dgr_artifacts.manifest import stored_manifest
     from dgr_artifacts.recipe import Recipe, StagePlacement, main_quantization
     from dgr_wire.ranges import LayerRange
 
     from dgr_placement import planner
     from dgr_placement.profile import WorkerOptions, probe, profile_model
 
-    manifest = build_manifest(model)
+    manifest = stored_manifest(model)
     options = WorkerOptions(n_ctx=args.n_ctx, max_sessions=args.max_sessions)
     profile = profile_model(model, manifest, options)
     computes = [n.compute or probe(model, n.threads) for n in nodes.nodes]
