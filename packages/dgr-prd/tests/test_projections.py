@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -64,3 +65,15 @@ def test_legacy_specs_are_found(repo_copy: RepoPaths) -> None:
     problems = legacy.problems(repo_copy)
     assert any("issues competes with prd.json" in p for p in problems)
     assert any("legacy story spec stories/03-shard-worker.md" in p for p in problems)
+
+
+def test_writing_the_backlog_back_changes_nothing_it_did_not_set(
+    repo: RepoPaths, tmp_path: Path
+) -> None:
+    # the runner loads prd.json, sets a story's status and dumps it: an optional field the file
+    # leaves out (a threshold's compute_threads) must not come back as null
+    from dgr_prd.model import dump_prd
+
+    out = tmp_path / "prd.json"
+    dump_prd(load_prd(repo.prd), out)
+    assert out.read_text(encoding="utf-8") == repo.prd.read_text(encoding="utf-8")

@@ -128,7 +128,9 @@ def load_prd(path: Path) -> Prd:
 
 def dump_prd(prd: Prd, path: Path) -> None:
     """Write prd.json in its canonical form (stable key order, 2-space indent, newline)."""
-    text = json.dumps(prd.model_dump(mode="json"), indent=2, ensure_ascii=False) + "\n"
+    # the keys prd.json holds and those a tool set: an optional field left out stays out
+    data = prd.model_dump(mode="json", exclude_unset=True)
+    text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
