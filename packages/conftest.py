@@ -27,7 +27,7 @@ FLEET_NAMES = re.compile(
     r"\b(start_worker|start_stages|behind_links|run_demo|metered_workers)\b"
     r"|[\[(]\s*(?:DGR|dgr|\w+)\s*,\s*\"(?:worker|demo|serve|generate|chat)\""
 )
-FLEET_FIXTURES = {"metered_workers"}
+FLEET_FIXTURES = {"metered_workers", "worker_pool"}
 
 
 @functools.cache
@@ -73,6 +73,47 @@ def quick_twin() -> Path:
     from dgr_native.twins import QUICK, twin_path
 
     return twin_path(QUICK)
+
+
+class WorkerPool:
+    """Workers shared by every test of the session that asks for the same model, range and
+    options (`start_worker`'s, defaults filled in): started on first use, stopped when the
+    session ends. For tests that route through workers and leave them as they found them; a
+    test that stops, kills, suspends or restarts a worker starts its own."""
+
+    def __init__(self) -> None:
+        self._workers: dict[tuple[Any, ...], Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, model: Path, first: int, last: int, **options: Any) -> Any:
+        import inspect
+
+        from dgr_cli.workers import start_worker
+
+        bound = inspect.signature(start_worker).bind(model, first, last, **options)
+        bound.apply_defaults()
+        key = tuple(
+            (name, tuple(v) if isinstance(v, list) else str(v) if isinstance(v, Path) else v)
+            for name, v in bound.arguments.items()
+        )
+        with self._lock:
+            worker = self._workers.get(key)
+            if worker is None or worker.proc.poll() is not None:
+                worker = self._workers[key] = start_worker(model, first, last, **options)
+            return worker
+
+    def close(self) -> None:
+        for worker in self._workers.values():
+            worker.stop()
+        self._workers.clear()
+
+
+@pytest.fixture(scope="session")
+def worker_pool() -> Iterator[WorkerPool]:
+    """The session's shared workers (`WorkerPool`)."""
+    pool = WorkerPool()
+    yield pool
+    pool.close()
 
 
 METERED_N_CTX, METERED_MAX_SESSIONS = 128, 2

@@ -5,7 +5,7 @@ keeps serving after refusing."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +29,8 @@ def descriptor(smollm2: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def fleet(smollm2: Path, descriptor: list[str]) -> Iterator[list[WorkerProcess]]:
-    workers = [start_worker(smollm2, a, b, descriptor=descriptor, n_ctx=512) for a, b in LAYOUT]
-    yield workers
-    for w in workers:
-        w.stop()
+def fleet(smollm2: Path, descriptor: list[str], worker_pool: Any) -> list[WorkerProcess]:
+    return [worker_pool.get(smollm2, a, b, descriptor=descriptor, n_ctx=512) for a, b in LAYOUT]
 
 
 def test_concurrent_sessions_each_give_their_own_output(

@@ -9,6 +9,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -42,14 +43,11 @@ def reference(smollm2: Path) -> tuple[list[int], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def workers(smollm2: Path, descriptor: list[str]) -> Iterator[dict[tuple[int, int], WorkerProcess]]:
+def workers(
+    smollm2: Path, descriptor: list[str], worker_pool: Any
+) -> dict[tuple[int, int], WorkerProcess]:
     ranges = sorted({r for layout in LAYOUTS.values() for r in layout} | {(0, 20), (10, 30)})
-    started = {
-        r: start_worker(smollm2, *r, descriptor=descriptor, n_ctx=512, n_batch=512) for r in ranges
-    }
-    yield started
-    for w in started.values():
-        w.stop()
+    return {r: worker_pool.get(smollm2, *r, descriptor=descriptor, n_ctx=512) for r in ranges}
 
 
 def route_of(

@@ -5,7 +5,6 @@ new route (no KV moves) and goes on with the same greedy output as one process."
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +30,11 @@ def descriptor(smollm2: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def fleet(smollm2: Path, descriptor: list[str]) -> Iterator[dict[tuple[int, int], WorkerProcess]]:
+def fleet(
+    smollm2: Path, descriptor: list[str], worker_pool: Any
+) -> dict[tuple[int, int], WorkerProcess]:
     ranges = [(0, 10), (10, 20), (20, 30), (0, 15), (15, 30)]
-    started = {r: start_worker(smollm2, *r, descriptor=descriptor, n_ctx=512) for r in ranges}
-    yield started
-    for w in started.values():
-        w.stop()
+    return {r: worker_pool.get(smollm2, *r, descriptor=descriptor, n_ctx=512) for r in ranges}
 
 
 def route(fleet: dict[tuple[int, int], WorkerProcess], layout: list[tuple[int, int]]) -> Route:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import grpc
 import numpy as np
@@ -29,13 +30,10 @@ QUOTE = (
 
 
 @pytest.fixture(scope="module")
-def workers(smollm2: Path) -> Iterator[dict[tuple[int, int], WorkerProcess]]:
+def workers(smollm2: Path, worker_pool: Any) -> dict[tuple[int, int], WorkerProcess]:
     descriptor = descriptor_args(smollm2)
     ranges = sorted({r for layout in LAYOUTS.values() for r in layout})
-    started = {r: start_worker(smollm2, *r, descriptor=descriptor, n_ctx=512) for r in ranges}
-    yield started
-    for w in started.values():
-        w.stop()
+    return {r: worker_pool.get(smollm2, *r, descriptor=descriptor, n_ctx=512) for r in ranges}
 
 
 @pytest.fixture(scope="module")
