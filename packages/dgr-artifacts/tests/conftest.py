@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dgr_artifacts.manifest import ArtifactManifest, build_manifest
@@ -48,12 +50,35 @@ def manifest(smollm2: Path) -> ArtifactManifest:
     return build_manifest(smollm2)
 
 
+def _copy(model: Path, into: Path) -> Path:
+    into.mkdir()
+    return Path(shutil.copyfile(model, into / model.name))
+
+
 @pytest.fixture
 def model_copy(smollm2: Path, tmp_path: Path) -> Path:
-    target = tmp_path / "model" / smollm2.name
-    target.parent.mkdir()
-    shutil.copyfile(smollm2, target)
-    return target
+    return _copy(smollm2, tmp_path / "model")
+
+
+@pytest.fixture
+def twin_copy(quick_twin: Path, tmp_path: Path) -> Path:
+    """A copy of the 3.5 MB generated V4 quick twin, to write into."""
+    return _copy(quick_twin, tmp_path / "twin")
+
+
+@pytest.fixture
+def reads_no_model(monkeypatch: pytest.MonkeyPatch) -> Callable[[], AbstractContextManager[Any]]:
+    """A context in which opening a model fails the test (what a stored value must not do)."""
+
+    @contextmanager
+    def context() -> Iterator[None]:
+        from dgr_artifacts import identity
+
+        with monkeypatch.context() as m:
+            m.setattr(identity, "open_model", lambda _: pytest.fail("the model was read again"))
+            yield
+
+    return context
 
 
 @pytest.fixture

@@ -6,7 +6,10 @@ import json
 import shutil
 import struct
 import subprocess
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
@@ -100,23 +103,12 @@ def test_incomplete_and_duplicated_split_sets(split_sets: dict[str, Path], tmp_p
 
 
 def test_a_stored_fingerprint_is_hashed_once_per_version_of_the_files(
-    quick_twin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    twin_copy: Path, tmp_path: Path, reads_no_model: Callable[[], AbstractContextManager[Any]]
 ) -> None:
-    import shutil
-
-    from dgr_artifacts import identity
-
-    model_copy = tmp_path / quick_twin.name
-    shutil.copyfile(quick_twin, model_copy)
-    store = tmp_path / "store"
+    model_copy, store = twin_copy, tmp_path / "store"
     first = stored_fingerprint(model_copy, store)
     assert first == fingerprint(open_model(model_copy))
-
-    def no_reading(_: Path) -> None:
-        raise AssertionError("the model was read again")
-
-    with monkeypatch.context() as m:
-        m.setattr(identity, "open_model", no_reading)
+    with reads_no_model():
         assert stored_fingerprint(model_copy, store) == first  # from the store, nothing read
     tensor = read_gguf(model_copy).tensors[-1]
     with model_copy.open("r+b") as fh:  # a byte written in place: same size, a new ctime

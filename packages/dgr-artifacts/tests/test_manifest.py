@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import jsonschema
-import pytest
 from dgr_artifacts.identity import open_model, tensor_sha256
 from dgr_artifacts.manifest import ArtifactManifest, build_manifest, load_manifest
 
@@ -59,20 +61,14 @@ def test_split_manifest_indexes_every_part(
 
 
 def test_a_stored_manifest_is_the_built_one_once_per_version_of_the_files(
-    quick_twin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    twin_copy: Path, tmp_path: Path, reads_no_model: Callable[[], AbstractContextManager[Any]]
 ) -> None:
-    import shutil
-
-    from dgr_artifacts import identity
     from dgr_artifacts.manifest import stored_manifest
 
-    copy = tmp_path / quick_twin.name
-    shutil.copyfile(quick_twin, copy)
-    store = tmp_path / "store"
+    copy, store = twin_copy, tmp_path / "store"
     first = stored_manifest(copy, store)
     assert first == build_manifest(copy)
-    with monkeypatch.context() as m:
-        m.setattr(identity, "open_model", lambda _: pytest.fail("the model was read again"))
+    with reads_no_model():
         assert stored_manifest(copy, store) == first
     with copy.open("ab") as fh:  # the file grows: another version, built again
         fh.write(b"\0" * 64)
