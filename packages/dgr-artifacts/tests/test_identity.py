@@ -118,6 +118,8 @@ def test_a_stored_fingerprint_is_hashed_once_per_version_of_the_files(
         fh.write(bytes([byte[0] ^ 0x01]))
     changed = stored_fingerprint(model_copy, store)
     assert changed != first and changed == fingerprint(open_model(model_copy))
+    with pytest.raises(IncompleteSplit, match="does not exist"):  # typed, as open_model's
+        stored_fingerprint(tmp_path / "absent.gguf", store)
     # a store that cannot be written costs the hash, not the answer
     blocked = tmp_path / "file"
     blocked.write_text("")

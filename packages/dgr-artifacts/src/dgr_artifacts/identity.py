@@ -252,7 +252,10 @@ def stored(
     again. A store that cannot be read or written is skipped."""
     from dgr_artifacts.downloads import cache_dir
 
-    name = hashlib.sha256(json.dumps(_file_version(path)).encode()).hexdigest()[:32]
+    try:
+        name = hashlib.sha256(json.dumps(_file_version(path)).encode()).hexdigest()[:32]
+    except OSError:  # no such file: open_model says so, typed
+        return compute(open_model(path))
     entry = (store or cache_dir() / kind) / f"{name}.json"
     try:
         held = json.loads(entry.read_text(encoding="utf-8"))
