@@ -8,7 +8,10 @@ One run, one 3-stage SmolLM2 forward route of real workers at 2 threads each, `d
   reuse (the route's default) and, in the same run over the same workers, with every turn
   prefilled in full (Route(prefix_reuse=False), what `dgr serve` did before). Gate:
   `ttft_turn8_over_turn1` (reuse) <= 1.5 and `cached_tokens_turn8` >= the tokens of the turns
-  before it; both conversations must produce the same text.
+  before it; both conversations must produce the same text. Beside them, the same conversation
+  through the pinned build's llama-server (one process, the whole model, the same threads and
+  context, one slot, its prompt cache on as it ships): its turn 8 over turn 1 and its cached
+  tokens, the reference the issue names.
 - aggregate: K sessions (1, 4, 8) generating 48 tokens each at once, every worker behind a
   simulated link (dgr_bench.netsim) of 0 and 10 ms one-way; aggregate decode tok/s over one
   session's. Beside each row, the physical floor of one session (the whole model's compute per
@@ -28,11 +31,13 @@ import http.client
 import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -40,7 +45,7 @@ from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_records import report, write_bench
 from dgr_route.route import Route
 
-from dgr_bench.bench import engine_round, sessions_at_once
+from dgr_bench.bench import engine_round, sessions_at_once, wait_listening
 from dgr_bench.bench_wan import linked
 
 LAYOUT = [(0, 10), (10, 20), (20, 30)]
@@ -163,6 +168,62 @@ def chats(addresses: list[str]) -> dict[str, Any]:
     return out
 
 
+@contextmanager
+def llama_server(model: Path) -> Iterator[str]:
+    """The pinned build's llama-server over `model` on a free local port, once it answers
+    /health (it listens while it loads); yields its base URL. Built on first use (the bench's
+    `reference` extra: dgr-llamacpp)."""
+    import socket
+
+    from dgr_llamacpp.build import tool
+    from dgr_llamacpp.workspace import open_workspace
+
+    binary = tool(open_workspace(), "llama-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["-t", str(THREADS), "-tb", str(THREADS), "-c", "2048", "-np", "1", "--no-webui"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_listening(proc, f"127.0.0.1:{port}")
+        deadline = time.monotonic() + 120
+        while True:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/health")
+            status = conn.getresponse().status
+            conn.close()
+            if status == 200:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not become ready (HTTP {status})")
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+def llama_server_chat(model: Path) -> list[dict[str, Any]]:
+    """The conversation through llama-server, on two fresh servers in turn; the second is kept
+    (as with the route, the first warms; a fresh server, so that its turn 1 finds no cache)."""
+    rows: list[dict[str, Any]] = []
+    for _ in range(2):
+        with llama_server(model) as base:
+            rows = chat(base)
+    for i, r in enumerate(rows, 1):
+        print(
+            f"chat llama-server turn {i}: ttft {r['ttft_ms']:7.1f} ms  prompt "
+            f"{r['prompt_tokens']:4d}  cached {r['cached_tokens']:4d}",
+            flush=True,
+        )
+    return rows
+
+
 def aggregate(addresses: list[str], n: int) -> float:
     """Aggregate decode tok/s of n sessions generating SESSION_TOKENS each at once (no prefix
     reuse), the second of two rounds (the first warms the batch shapes)."""
@@ -264,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-q4_1")
-    parser.add_argument("--skip", nargs="*", default=[], choices=("chat", "aggregate", "health"))
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=("chat", "llama-server", "aggregate", "health")
+    )
     args = parser.parse_args(argv)
     model = model_path(args.model)
     from dgr_route.tokenizer import Tokenizer
@@ -305,6 +368,21 @@ def main(argv: list[str] | None = None) -> int:
                     f"turn 8 reused {reuse[-1]['cached_tokens']} tokens, "
                     f"fewer than turn 7's prompt ({reuse[-2]['prompt_tokens']})"
                 )
+        if "llama-server" not in args.skip:
+            reference = llama_server_chat(model)
+            result.setdefault("chat", {})["llama_server"] = [
+                {k: v for k, v in r.items() if k != "text"} for r in reference
+            ]
+            gate["llama_server_ttft_turn8_over_turn1"] = round(
+                reference[-1]["ttft_ms"] / reference[0]["ttft_ms"], 3
+            )
+            gate["llama_server_cached_tokens_turn8"] = reference[-1]["cached_tokens"]
+            if "chat" not in args.skip:
+                # the same model and template: the same greedy text (recorded, not gated: two
+                # programs' kernels may part on a near tie)
+                result["llama_server_same_text"] = [r["text"] for r in reference] == [
+                    r["text"] for r in conv["reuse"]
+                ]
         if "aggregate" not in args.skip:
             engine = (
                 locate().module().Engine(str(model), n_threads=THREADS, n_ctx=1024, max_sessions=1)

@@ -82,7 +82,12 @@ def cmake_args(source: Path, build: Path, lane: str) -> list[str]:
         "-DBUILD_SHARED_LIBS=ON",
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
-        "-DLLAMA_BUILD_SERVER=OFF",
+        # llama-server is configured but built only where asked for (bench-serve's reference),
+        # without its web UI: the UI's assets come from npm or a download, neither of which a
+        # build here may need
+        "-DLLAMA_BUILD_SERVER=ON",
+        "-DLLAMA_BUILD_UI=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
         "-DLLAMA_CURL=OFF",
         f"-DGGML_CCACHE={'ON' if shutil.which('ccache') else 'OFF'}",
         f"-DCMAKE_C_FLAGS={flags}",
