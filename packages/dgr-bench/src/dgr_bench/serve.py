@@ -378,11 +378,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             gate["llama_server_cached_tokens_turn8"] = reference[-1]["cached_tokens"]
             if "chat" not in args.skip:
-                # the same model and template: the same greedy text (recorded, not gated: two
-                # programs' kernels may part on a near tie)
-                result["llama_server_same_text"] = [r["text"] for r in reference] == [
-                    r["text"] for r in conv["reuse"]
+                # the same model, template and prompt tokens; the greedy texts are recorded,
+                # not gated (two programs' kernels and samplers may part on a near tie): the
+                # first turn whose reply differs, None where none does
+                parted = [
+                    i
+                    for i, (a, b) in enumerate(zip(reference, conv["reuse"], strict=True), 1)
+                    if a["text"] != b["text"]
                 ]
+                result["llama_server_first_differing_turn"] = parted[0] if parted else None
         if "aggregate" not in args.skip:
             engine = (
                 locate().module().Engine(str(model), n_threads=THREADS, n_ctx=1024, max_sessions=1)
