@@ -3,11 +3,17 @@
 #include <CivetServer.h>
 #include <prometheus/text_serializer.h>
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <charconv>
+#include <chrono>
 #include <cmath>
 #include <fstream>
-#include <unistd.h>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 namespace dgr::worker {
@@ -168,8 +174,45 @@ Metrics::Metrics(LiveState live)
     memory.Add({{"part", "compute"}}).Set((double) live_.compute_bytes);
 }
 
+namespace {
+
+// A connection to host:port, closed at once (nothing is sent); a wildcard host is this machine.
+void poke(std::string host, int port) {
+    if (host.size() > 1 && host.front() == '[') host = host.substr(1, host.size() - 2);
+    if (host.empty() || host == "0.0.0.0") host = "127.0.0.1";
+    if (host == "::") host = "::1";
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo * found = nullptr;
+    if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return;
+    for (addrinfo * a = found; a; a = a->ai_next) {
+        const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+        if (fd < 0) continue;
+        const bool connected = connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+        close(fd);
+        if (connected) break;
+    }
+    freeaddrinfo(found);
+}
+
+}  // namespace
+
 Metrics::~Metrics() {
-    if (server_) server_->close();
+    if (!server_) return;
+    // civetweb 1.15 (Debian 12's) sees that it is asked to stop only when its listener's poll
+    // returns, which without a connection is after up to 2 s (SOCKET_TIMEOUT_QUANTUM; civetweb
+    // issue 1163, fixed in 1.16): every worker with --metrics-listen took 2 s to exit. A
+    // connection to the port while close() waits wakes the poll, and the stop is seen at once.
+    std::atomic<bool> closed{false};
+    std::thread waker([&] {
+        while (!closed.load()) {
+            poke(host_, port_);
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+    });
+    server_->close();
+    closed = true;
+    waker.join();
 }
 
 void Metrics::forward(size_t n_tokens, bool decode, double queue_seconds, double compute_seconds, bool alone) {
@@ -247,6 +290,9 @@ int Metrics::listen(const std::string & address) {
     server_->addHandler("/metrics", *text_handler_);
     const std::vector<int> ports = server_->getListeningPorts();
     if (ports.empty()) throw std::runtime_error("--metrics-listen " + address + ": no listening port");
+    const size_t colon = address.rfind(':');
+    host_ = colon == std::string::npos ? std::string() : address.substr(0, colon);
+    port_ = ports[0];
     return ports[0];
 }
 

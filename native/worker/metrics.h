@@ -94,6 +94,8 @@ private:
     prometheus::Histogram & batch_width_;
     std::mutex scrape_;  // one scrape refreshes and serializes at a time
     std::unique_ptr<CivetServer> server_;
+    std::string host_;  // as --metrics-listen named it (the stop wakes its listener there)
+    int port_ = 0;
     struct Handler;
     std::unique_ptr<Handler> text_handler_, json_handler_;
 };

@@ -161,3 +161,16 @@ def test_dgr_worker_passes_the_flag(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "0.0.0.0:0"])
+def test_a_worker_serving_metrics_exits_promptly(smollm2: Path, listen: str) -> None:
+    """civetweb 1.15 noticed its stop only at its listener's next 2 s poll, so every worker with
+    --metrics-listen took 2 s to exit after SIGTERM; the worker wakes the listener instead."""
+    worker = start_worker(smollm2, 0, 15, n_ctx=64, extra=["--metrics-listen", listen])
+    assert worker.metrics_url is not None
+    scrape(worker)  # a listener that has served
+    t0 = time.perf_counter()
+    assert worker.stop() == 0
+    took = time.perf_counter() - t0
+    assert took < 1.0, f"the worker took {took:.2f} s to exit"
