@@ -44,12 +44,19 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def tests(session: nox.Session) -> None:
-    """The fast test suite plus the browser check of the evidence site."""
-    code = subprocess.call(["pytest", *session.posargs], cwd=ROOT)
-    if code == PYTEST_NO_TESTS:
+    """Every test (README's test command, CI's): first the tests that start no worker process,
+    spread over every core (pytest-xdist: they share nothing a test times), then the `fleet`
+    tests one at a time, as their deadlines and timed figures assume the cores are theirs.
+    Arguments go to both runs; it fails when either fails or when neither collected a test."""
+    codes = [
+        subprocess.call(["pytest", "-m", marks, *workers, *session.posargs], cwd=ROOT)
+        for marks, workers in (("not fleet", ["-n", "auto"]), ("fleet", []))
+    ]
+    if codes == [PYTEST_NO_TESTS, PYTEST_NO_TESTS]:
         session.error("pytest collected no tests: the selection or configuration is wrong")
-    if code != 0:
-        session.error(f"pytest failed with exit code {code}")
+    for name, code in zip(("starting no worker", "fleet"), codes, strict=True):
+        if code not in (0, PYTEST_NO_TESTS):
+            session.error(f"pytest of the tests {name} failed with exit code {code}")
 
 
 @nox.session(python=False)
@@ -58,7 +65,10 @@ def check(session: nox.Session) -> None:
     starts no worker process (tests marked `fleet` are left out, and DGR_NO_WORKERS makes one
     that starts a worker anyway fail, naming the marker)."""
     session.run("dgr-native", "build")
-    session.run("pytest", "-m", "not fleet", "-q", *session.posargs, env={"DGR_NO_WORKERS": "1"})
+    session.run(
+        "pytest", "-m", "not fleet", "-n", "auto", "-q", *session.posargs,
+        env={"DGR_NO_WORKERS": "1"},
+    )  # fmt: skip
 
 
 @nox.session(name="tests-slow", python=False)
