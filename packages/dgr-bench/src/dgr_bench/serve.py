@@ -17,7 +17,11 @@ One run, one 3-stage SmolLM2 forward route of real workers at 2 threads each, `d
   session's. Beside each row, the physical floor of one session (the whole model's compute per
   token in one process plus 3 one-way hops times the delay) and K times it, and the host's
   ceiling: K sessions' aggregate with no delay at all over one session's behind the links
-  (where the cores, not the links, set the bound).
+  (where the cores, not the links, set the bound). At 2 threads per worker (the gate's figures)
+  and at 1, each on workers of its own; and at 10 ms once more on workers that never wait to
+  gather a convoy (`--gather-us 0`): the convoy keeps sessions one llama_decode around the ring,
+  which pays where the stages share the cores and the links are short, and leaves every stage
+  idle while the convoy is on a link.
 - health: /health latency while 64 requests wait for admission (max_active 4), p50 and p99.
 
 Writes evidence/bench/bench-serve.json with the host's core count; `gate_metrics` holds the
@@ -235,10 +239,12 @@ def aggregate(addresses: list[str], n: int) -> float:
         route.close()
 
 
-def aggregates(workers: list[WorkerProcess], compute_s: float) -> dict[str, Any]:
+def aggregates(
+    workers: list[WorkerProcess], compute_s: float, latencies: tuple[int, ...] = LATENCIES_MS
+) -> dict[str, Any]:
     direct = [w.address for w in workers]
     rows: dict[str, Any] = {}
-    for latency in LATENCIES_MS:
+    for latency in latencies:
         floor = 1 / (compute_s + len(workers) * latency / 1000)
         if latency == 0:
             rates = {n: aggregate(direct, n) for n in SESSIONS}
@@ -260,6 +266,56 @@ def aggregates(workers: list[WorkerProcess], compute_s: float) -> dict[str, Any]
             flush=True,
         )
     return rows
+
+
+def compute_per_token(model: Path, threads: int) -> float:
+    """Seconds per decode token of the whole model through the engine in this process."""
+    from dgr_route.engine import locate
+
+    engine = locate().module().Engine(str(model), n_threads=threads, n_ctx=1024, max_sessions=1)
+    prompt = [1000 + (i * 7) % 5000 for i in range(32)]
+    return statistics.median(
+        1 / engine_round(engine, prompt, SESSION_TOKENS)["decode"] for _ in range(3)
+    )
+
+
+def aggregates_by_threads(
+    model: Path, descriptor: list[str], workers: list[WorkerProcess]
+) -> dict[str, Any]:
+    """The aggregate rows at 2 threads per worker (`workers`) and at 1, and at 10 ms on workers
+    that do not gather convoys, at both."""
+    out: dict[str, Any] = {}
+    for threads in (THREADS, 1):
+        compute_s = compute_per_token(model, threads)
+        print(f"{threads} thread(s) per worker: {compute_s * 1000:.2f} ms/token", flush=True)
+        row: dict[str, Any] = {"compute_ms_per_token": round(compute_s * 1000, 2)}
+        for gather, latencies in (("gather", LATENCIES_MS), ("no_gather", (10,))):
+            extra = [] if gather == "gather" else ["--gather-us", "0"]
+            own = (
+                []
+                if threads == THREADS and gather == "gather"
+                else [
+                    start_worker(
+                        model,
+                        a,
+                        b,
+                        descriptor=descriptor,
+                        threads=threads,
+                        n_ctx=2048,
+                        max_sessions=8,
+                        extra=extra,
+                    )
+                    for a, b in LAYOUT
+                ]
+            )
+            try:
+                print(f"  {gather.replace('_', ' ')}:", flush=True)
+                row[gather] = aggregates(own or workers, compute_s, latencies)
+            finally:
+                for w in own:
+                    w.stop()
+        out[f"{threads}_threads"] = row
+    return out
 
 
 def health_queued(addresses: list[str]) -> dict[str, float]:
@@ -321,7 +377,6 @@ def check(gate: dict[str, float]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from dgr_artifacts.models import model_path
-    from dgr_route.engine import locate
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-q4_1")
@@ -388,26 +443,22 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 result["llama_server_first_differing_turn"] = parted[0] if parted else None
         if "aggregate" not in args.skip:
-            engine = (
-                locate().module().Engine(str(model), n_threads=THREADS, n_ctx=1024, max_sessions=1)
-            )
-            prompt = [1000 + (i * 7) % 5000 for i in range(32)]
-            compute_s = statistics.median(
-                1 / engine_round(engine, prompt, SESSION_TOKENS)["decode"] for _ in range(3)
-            )
-            del engine
-            result["compute_ms_per_token"] = round(compute_s * 1000, 2)
-            result["aggregate"] = aggregates(workers, compute_s)
-            agg = result["aggregate"]
-            for latency in LATENCIES_MS:
+            by_threads = aggregates_by_threads(model, descriptor, workers)
+            result["aggregate_by_threads"] = by_threads
+            for threads, row in by_threads.items():
+                suffix = "" if threads == f"{THREADS}_threads" else f"_{threads.split('_')[0]}t"
+                agg = row["gather"]
+                for latency in LATENCIES_MS:
+                    for n in SESSIONS[1:]:
+                        key = f"aggregate_{n}_over_1_at_{latency}ms{suffix}"
+                        gate[key] = agg[f"{latency}ms"][f"{n}_over_1"]
+                # what this host's cores allow: K sessions with no latency at all, over one
+                # session behind the links (the links can only take away from what compute gives)
                 for n in SESSIONS[1:]:
-                    key = f"aggregate_{n}_over_1_at_{latency}ms"
-                    gate[key] = agg[f"{latency}ms"][f"{n}_over_1"]
-            # what this host's cores allow: K sessions with no latency at all, over one session
-            # behind the links (the links can only take away from what compute gives)
-            for n in SESSIONS[1:]:
-                ceiling = agg["0ms"][f"{n}_sessions_tps"] / agg["10ms"]["1_sessions_tps"]
-                gate[f"ceiling_{n}_over_1_at_10ms"] = round(ceiling, 3)
+                    ceiling = agg["0ms"][f"{n}_sessions_tps"] / agg["10ms"]["1_sessions_tps"]
+                    gate[f"ceiling_{n}_over_1_at_10ms{suffix}"] = round(ceiling, 3)
+                    loose = row["no_gather"]["10ms"][f"{n}_over_1"]
+                    gate[f"aggregate_{n}_over_1_at_10ms_no_gather{suffix}"] = loose
         if "health" not in args.skip:
             result["health"] = health_queued(addresses)
             gate["health_p99_ms_64_queued"] = result["health"]["health_p99_ms"]
