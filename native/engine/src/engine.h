@@ -39,11 +39,16 @@ extern const std::set<std::string> kRangeArchs, kStagedBoundaryArchs, kSnapshotS
 
 // The calling thread on the last of `cpus` while it computes as a pool's thread 0 (ggml puts the
 // pool's other threads on the others), its own affinity back when the scope ends: the thread is a
-// worker's handler, whose other work may run anywhere. No CPUs: nothing changes. The pool of the
-// scope's forwards is chosen by the same CPUs (cpus()).
+// worker's handler, whose other work may run anywhere. No CPUs: the affinity does not change. The
+// pool of the scope's forwards is chosen by the same CPUs (cpus()). The thread's scheduling
+// policy comes back too: ggml gives a pool's priority to the thread that makes the pool or
+// starts its graph, and keeps it there; a worker's main thread that made its realtime pool at
+// load went on at SCHED_FIFO, and so did every thread it started after (gRPC's, the metrics
+// server's: threads inherit the policy), which on a host with few cores can starve the rest.
 class PinnedCaller {
 public:
     explicit PinnedCaller(std::vector<int32_t> cpus) : cpus_(std::move(cpus)) {
+        sched_saved_ = pthread_getschedparam(pthread_self(), &policy_, &param_) == 0;
         if (cpus_.empty() || pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_) != 0) return;
         cpu_set_t one;
         CPU_ZERO(&one);
@@ -53,6 +58,12 @@ public:
     const std::vector<int32_t> & cpus() const { return cpus_; }
     ~PinnedCaller() {
         if (pinned_) pthread_setaffinity_np(pthread_self(), sizeof(saved_), &saved_);
+        int policy = 0;
+        sched_param param{};
+        if (sched_saved_ && pthread_getschedparam(pthread_self(), &policy, &param) == 0 &&
+            (policy != policy_ || param.sched_priority != param_.sched_priority)) {
+            pthread_setschedparam(pthread_self(), policy_, &param_);
+        }
     }
     PinnedCaller(const PinnedCaller &) = delete;
     PinnedCaller & operator=(const PinnedCaller &) = delete;
@@ -61,6 +72,9 @@ private:
     std::vector<int32_t> cpus_;
     cpu_set_t saved_{};
     bool pinned_ = false;
+    int policy_ = 0;
+    sched_param param_{};
+    bool sched_saved_ = false;
 };
 
 // what the seam needs to know, from the GGUF metadata alone (no tensor data is read)

@@ -231,11 +231,14 @@ LlamaShardEngine::LlamaShardEngine(const EngineOptions & options) : options_(opt
 
     // Stages of a route run one after another and share cores with their neighbours; a
     // threadpool that keeps spinning after its graph steals the CPU the next stage needs.
-    if (ggml_threadpool * pool = pool_for(options.prio, {})) {
-        llama_attach_threadpool(ctx_, pool, pool);
-        if (mtp_) llama_attach_threadpool(mtp_, pool, pool);
-        attached_ = pool;
-        attached_prio_ = options.prio;
+    {
+        const PinnedCaller loader({});  // the pool's priority is its threads', not the loader's
+        if (ggml_threadpool * pool = pool_for(options.prio, {})) {
+            llama_attach_threadpool(ctx_, pool, pool);
+            if (mtp_) llama_attach_threadpool(mtp_, pool, pool);
+            attached_ = pool;
+            attached_prio_ = options.prio;
+        }
     }
 
     desc_.arch = arch;
