@@ -61,7 +61,7 @@ void LlamaShardEngine::attach_pool(const PinnedCaller & pinned) {
         attached_ = want;
         attached_prio_ = prio;
     }
-    if (!on) {  // the calling thread may hold the realtime policy from an earlier graph
+    if (!on) {  // ggml leaves a normal pool's caller at its own policy, which may be realtime
         sched_param p{};
         pthread_setschedparam(pthread_self(), SCHED_OTHER, &p);
     }

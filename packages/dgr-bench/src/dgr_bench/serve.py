@@ -268,6 +268,25 @@ def aggregates(
     return rows
 
 
+def route_workers(
+    model: Path, descriptor: list[str], threads: int, extra: list[str] | None = None
+) -> list[WorkerProcess]:
+    """The bench's route: a worker per range of LAYOUT, `threads` each, room for 8 sessions."""
+    return [
+        start_worker(
+            model,
+            a,
+            b,
+            descriptor=descriptor,
+            threads=threads,
+            n_ctx=2048,
+            max_sessions=8,
+            extra=extra,
+        )
+        for a, b in LAYOUT
+    ]
+
+
 def compute_per_token(model: Path, threads: int) -> float:
     """Seconds per decode token of the whole model through the engine in this process."""
     from dgr_route.engine import locate
@@ -294,19 +313,7 @@ def aggregates_by_threads(
             own = (
                 []
                 if threads == THREADS and gather == "gather"
-                else [
-                    start_worker(
-                        model,
-                        a,
-                        b,
-                        descriptor=descriptor,
-                        threads=threads,
-                        n_ctx=2048,
-                        max_sessions=8,
-                        extra=extra,
-                    )
-                    for a, b in LAYOUT
-                ]
+                else route_workers(model, descriptor, threads, extra)
             )
             try:
                 print(f"  {gather.replace('_', ' ')}:", flush=True)
@@ -389,12 +396,7 @@ def main(argv: list[str] | None = None) -> int:
 
     TOKENIZER[:] = [Tokenizer(model)]
     descriptor = descriptor_args(model)
-    workers = [
-        start_worker(
-            model, a, b, descriptor=descriptor, threads=THREADS, n_ctx=2048, max_sessions=8
-        )
-        for a, b in LAYOUT
-    ]
+    workers = route_workers(model, descriptor, THREADS)
     result: dict[str, Any] = {
         "model": args.model,
         "layout": LAYOUT,
