@@ -1,6 +1,7 @@
 // The head's per-session state machine (head_session.h), driven through a port that records what
 // it computes and what it tells the coordinator: no gRPC, no socket.
 #include "head_session.h"
+#include "clock.h"
 #include "forwarding.h"
 #include "support.h"
 
@@ -35,6 +36,10 @@ struct RecordingPort final : HeadPort {
         return true;
     }
     uint32_t peers_behind(int64_t) override { return peers; }
+    std::vector<std::pair<double, dgr::v1::StepTime>> rounds;  // what the convoy rule was told
+    bool sessions_apart = false;
+    void observe_round(double round_s, const dgr::v1::StepTime & t) override { rounds.emplace_back(round_s, t); }
+    bool apart() override { return sessions_apart; }
     void forgo(const Cohort & c) override { forgone.push_back(c); }
     int parts = 0;
     void in_parts() override { ++parts; }
@@ -261,6 +266,47 @@ TEST_CASE("head: the next step gathers with its cohort-mates, and the coordinato
     CHECK(head.port.forwards.back().cohort().id() == 44);
     head->on_token(token_reply({11}, 3), 0);  // alone this time
     CHECK_FALSE(head.port.forwards.back().has_cohort());
+}
+
+TEST_CASE("head: a token's step time feeds the convoy rule, and apart sessions wait for no peers and join no cohort") {
+    Head head;
+    head->on_request(chunk({1}, 0, true, 10));
+    head.port.peers = 2;
+    auto r = token_reply({10}, 2);
+    r.mutable_cohort()->set_id(44);
+    r.mutable_cohort()->set_size(3);
+    r.mutable_stages()->set_held_us(3000);
+    r.mutable_stages()->set_compute_us(2500);
+    const int64_t sent = steady_ns() - 40 * 1000 * 1000;  // 40 ms ago
+    head->on_token(r, sent);
+    REQUIRE(head.port.rounds.size() == 1);
+    CHECK(head.port.rounds[0].first >= 0.040);
+    CHECK(head.port.rounds[0].first < 10.0);
+    CHECK(head.port.rounds[0].second.held_us() == 3000);
+    CHECK(head.port.rounds[0].second.compute_us() == 2500);
+    CHECK_FALSE(head.port.replies.back().has_stages());  // not the coordinator's business
+    CHECK(head.port.peers_asked.back() == 2);  // a convoy: waits for the sessions behind it
+    CHECK(head.port.forwards.back().cohort().id() == 44);
+    head.port.sessions_apart = true;
+    r.mutable_token()->set_token_id(11);
+    r.set_n_past(3);
+    head->on_token(r, sent);
+    CHECK(head.port.peers_asked.back() == 0);
+    CHECK_FALSE(head.port.forwards.back().has_cohort());
+    CHECK(head.port.rounds.size() == 2);
+    head->on_token(token_reply({12}, 4), sent);  // no step time came with it: nothing to learn
+    CHECK(head.port.rounds.size() == 2);
+}
+
+TEST_CASE("head: a step time whose compute exceeds its time held fails the session, named as the tail's") {
+    Head head;
+    head->on_request(chunk({1}, 0, true, 10));
+    auto r = token_reply({10}, 2);
+    r.mutable_stages()->set_held_us(10);
+    r.mutable_stages()->set_compute_us(11);
+    CHECK(head->on_token(r, 1));
+    check_error(head.port.replies.back(), 2, "t:3", StatusCode::INVALID_ARGUMENT, "compute_us 11 exceeds held_us 10");
+    CHECK(head.port.rounds.empty());
 }
 
 TEST_CASE("head: MTP drafts that came back malformed fail the session, named as the tail's") {

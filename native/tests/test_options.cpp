@@ -50,10 +50,11 @@ TEST_CASE("options: defaults, and each kind of value") {
     CHECK(o.batch_invariant);
     CHECK(o.data_links);
     CHECK(o.prio == 0);
+    CHECK(o.service.convoy_auto);
     WorkerOptions p;
     REQUIRE(parse({"--model", "m", "--layers", "10:20", "--threads", "1", "--prio", "auto", "--kernels", "stock",
                    "--links", "grpc", "--pin", "off", "--prefix-cache-bytes", "2G", "--gpu-layers", "-1", "--mtp",
-                   "--no-warmup", "--draft-part-rows", "0", "--max-message-bytes", "2048"},
+                   "--no-warmup", "--draft-part-rows", "0", "--max-message-bytes", "2048", "--convoy", "always"},
                   p) == -1);
     CHECK(p.first == 10);
     CHECK(p.last == 20);
@@ -67,6 +68,7 @@ TEST_CASE("options: defaults, and each kind of value") {
     CHECK_FALSE(p.warmup);
     CHECK(p.service.draft_part_rows == 0);
     CHECK(p.service.max_message_bytes == 2048);
+    CHECK_FALSE(p.service.convoy_auto);
 }
 
 TEST_CASE("options: a bad value or an unknown option is refused, naming it") {
@@ -76,6 +78,7 @@ TEST_CASE("options: a bad value or an unknown option is refused, naming it") {
     CHECK(refusal({"--model", "m", "--layers", "10"}).find("--layers: takes FIRST:LAST") != std::string::npos);
     CHECK(refusal({"--model", "m", "--prio", "4"}).find("--prio: 4 is not an integer in [0, 3]") != std::string::npos);
     CHECK(refusal({"--model", "m", "--kernels", "fast"}).find("--kernels: invariant or stock, not fast") != std::string::npos);
+    CHECK(refusal({"--model", "m", "--convoy", "never"}).find("--convoy: auto or always, not never") != std::string::npos);
     CHECK(refusal({"--model", "m", "--draft-part-rows", "1"}).find("0 (whole steps) or 2..64") != std::string::npos);
     CHECK(refusal({"--model", "m", "--prefix-cache-bytes", "2T"}).find("is not a byte count") != std::string::npos);
     CHECK(refusal({"--model", "m", "--recipe-id", "a b"}).find("--recipe-id: a b is not 1-128 characters") != std::string::npos);

@@ -211,6 +211,21 @@ TEST_CASE("cohort: a forward-mode field with an id and a size within max_session
     CHECK(check(r, stage(true, false)).ok());
 }
 
+TEST_CASE("upstream: the stages' time before this one, forward mode after the head, its compute within its time held") {
+    auto r = head_request();
+    r.mutable_upstream()->set_held_us(100);
+    r.mutable_upstream()->set_compute_us(90);
+    refused(check(r, stage(true, false)), "upstream: the time at the stages before this one");
+    *r.mutable_route() = route(0);
+    refused(check(r, stage(true, false)), "on a forward-mode request after the head");
+    auto m = middle_request(1);
+    *m.mutable_route() = route(1);
+    *m.mutable_upstream() = r.upstream();
+    CHECK(check(m, stage(false, false)).ok());
+    m.mutable_upstream()->set_compute_us(101);
+    refused(check(m, stage(false, false)), "upstream.compute_us: 101 exceeds held_us 100");
+}
+
 TEST_CASE("expect.reuse: forward mode, with the prefix's n_past and hash") {
     auto r = head_request();
     r.mutable_expect()->set_reuse(true);

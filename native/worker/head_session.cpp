@@ -1,5 +1,6 @@
 #include "head_session.h"
 
+#include "clock.h"
 #include "forwarding.h"
 #include "validate.h"
 
@@ -180,6 +181,18 @@ bool HeadSession::on_token(dgr::v1::ForwardReply reply, int64_t sent_ns) {
         return fail(stage_error((uint32_t) tail, route_.stages(tail), st));
     }
     Drafting * dr = drafting_.get();
+    if (reply.has_stages()) {
+        const auto & t = reply.stages();
+        if (t.compute_us() > t.held_us()) {
+            const int tail = route_.stages_size() - 1;
+            return fail(stage_error((uint32_t) tail, route_.stages(tail),
+                                    invalid("stages: compute_us " + std::to_string(t.compute_us()) + " exceeds held_us " +
+                                            std::to_string(t.held_us()) + " (a step's compute is part of its time held)")));
+        }
+        // a plain step's round (a drafted one's time depends on its drafts)
+        if (sent_ns != 0 && (!dr || dr->in_flight == 0)) port_.observe_round((double) (steady_ns() - sent_ns) * 1e-9, t);
+        reply.clear_stages();  // the coordinator's tokens carry no step times
+    }
     if (dr && dr->in_flight >= 0) {
         dr->controller->observe(dr->in_flight, (int32_t) reply.accepted(),
                                 std::chrono::duration<double>(std::chrono::steady_clock::now() - dr->step_sent).count(),
@@ -205,7 +218,11 @@ bool HeadSession::on_token(dgr::v1::ForwardReply reply, int64_t sent_ns) {
         return false;
     }
     plan_step(token, n_past, hash, proposed);
-    send_step(sent_ns != 0 ? port_.peers_behind(sent_ns) : 0, mates);
+    if (port_.apart()) {
+        send_step(0, Cohort{});
+    } else {
+        send_step(sent_ns != 0 ? port_.peers_behind(sent_ns) : 0, mates);
+    }
     return state_ == State::over;
 }
 

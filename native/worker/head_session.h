@@ -14,7 +14,8 @@
 //   decides both, once), streamed to the coordinator coalesced (token_interval_ms), and the next
 //   decode step leaves: plain, with prompt-lookup drafts, or verifying the tail's MTP drafts, and
 //   where the links cost more than the stages' compute a drafted step travels in parts
-//   (verify.h).
+//   (verify.h). A plain step's round trip, with the stages' time for it that came back with its
+//   token, tells the head's convoy rule whether its sessions travel batched or apart (convoy.h).
 // - finished: nothing more is computed; the session waits for the coordinator to close.
 // - over: the result says how the coordinator's stream ends; every failure has been written to it
 //   as a StageError, after the tokens generated before it.
@@ -46,6 +47,11 @@ public:
     // sessions of this head whose steps left after `sent_ns` (steady clock), within the batcher's
     // gather window: their tokens come back that soon after this one's
     virtual uint32_t peers_behind(int64_t sent_ns) = 0;
+    // a decode step's round trip (seconds, its leaving to its token back) and the stages' time for
+    // it, summed around the ring: what the convoy rule learns from (convoy.h)
+    virtual void observe_round(double round_s, const dgr::v1::StepTime & stages) = 0;
+    // this head's sessions travel apart: a step waits for no peers and joins no cohort
+    virtual bool apart() = 0;
     // a cohort member that will not come (Batcher::forgo)
     virtual void forgo(const Cohort & cohort) = 0;
     // a drafted step leaves in parts (counted: dgr:draft_steps_in_parts_total)

@@ -152,6 +152,13 @@ Metrics::Metrics(LiveState live)
       cache_reused_tokens_(counter(*registry_, "dgr:prefix_cache_reused_tokens_total",
                  "Prompt tokens prefix reuse did not compute")),
       cache_evictions_(counter(*registry_, "dgr:prefix_cache_evictions_total", "Kept sessions dropped for room (LRU)")),
+      apart_(gauge(*registry_, "dgr:head_sessions_apart",
+                 "The head: 1 while its sessions' decode steps travel apart (the links take much more than the "
+                 "stages' compute), 0 while they travel as a convoy")),
+      link_seconds_(gauge(*registry_, "dgr:head_route_link_seconds",
+                 "The head: the links' part of a decode step's round trip (the least over recent steps)")),
+      ring_compute_seconds_(gauge(*registry_, "dgr:head_route_compute_seconds",
+                 "The head: the stages' compute of a decode step, summed around the route (median of recent steps)")),
       forward_latency_(histogram(*registry_, "dgr:forward_latency_seconds",
                  "Time a forward's turn on the engine took", kSeconds)),
       queue_time_(histogram(*registry_, "dgr:request_queue_time_seconds",
@@ -241,6 +248,12 @@ void Metrics::refresh() {
         cache_reused_tokens_.Increment((double) (c.reused_tokens - cache_seen_.reused_tokens));
         cache_evictions_.Increment((double) (c.evictions - cache_seen_.evictions));
         cache_seen_ = c;
+    }
+    if (live_.convoy) {
+        const ConvoyRule::Estimate e = live_.convoy();
+        apart_.Set(e.apart ? 1.0 : 0.0);
+        link_seconds_.Set(e.link_s);
+        ring_compute_seconds_.Set(e.compute_s);
     }
     // /proc/self/statm: size and resident, in pages
     std::ifstream statm("/proc/self/statm");

@@ -5,6 +5,7 @@
 // the live state (never behind a compute); the hot path only increments and observes.
 #pragma once
 
+#include "convoy.h"
 #include "dgr/shard_engine.h"
 
 #include <grpcpp/grpcpp.h>
@@ -29,6 +30,7 @@ struct LiveState {
     std::function<size_t()> queue_depth;  // forwards in flight (computing or waiting)
     std::function<size_t()> kv_tokens;    // tokens cached over all sessions
     std::function<dgr::CacheStats()> cache;  // prefix reuse: the kept finished sessions
+    std::function<ConvoyRule::Estimate()> convoy;  // the head: its sessions batched or apart
     size_t max_sessions = 0;
     size_t kv_capacity = 0;               // n_ctx per session x max_sessions
     // the engine's own memory breakdown for this range (what the estimator predicts)
@@ -88,6 +90,10 @@ private:
     prometheus::Counter & cache_misses_;
     prometheus::Counter & cache_reused_tokens_;
     prometheus::Counter & cache_evictions_;
+    // the head's convoy rule (convoy.h): what it measured and chose
+    prometheus::Gauge & apart_;
+    prometheus::Gauge & link_seconds_;
+    prometheus::Gauge & ring_compute_seconds_;
     dgr::CacheStats cache_seen_;  // the totals the counters show
     prometheus::Histogram & forward_latency_;
     prometheus::Histogram & queue_time_;

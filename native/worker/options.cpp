@@ -168,6 +168,9 @@ void declare_service(CLI::App & app, WorkerOptions & o) {
     integer(app, "--max-batch", o.service.max_batch, 1, 4096, "decode steps computed in one llama_decode (1: FIFO)");
     integer(app, "--gather-us", o.service.gather_us, 0, 1000 * 1000,
             "how long a decode step that arrived in a cohort waits for the rest of it");
+    choice(app, "--convoy", o.service.convoy_auto, "auto", "always",
+           "the head: sessions travel apart where the links take much more than the stages' compute "
+           "(auto), or always as a convoy within the gather window");
     app.add_option_function<std::string>(
            "--draft-part-rows",
            [&o](const std::string & v) {
@@ -221,6 +224,7 @@ std::string resolved(const WorkerOptions & o) {
       << "\ncpus = " << cpu_list(o.cpus)
       << "\nmax_message_bytes = " << o.service.max_message_bytes << "\nmax_queue = " << o.service.max_queue
       << "\nmax_batch = " << o.service.max_batch << "\ngather_us = " << o.service.gather_us
+      << "\nconvoy = " << (o.service.convoy_auto ? "auto" : "always")
       << "\ndraft_part_rows = " << o.service.draft_part_rows << "\nkeepalive_ms = " << o.keepalive_ms
       << "\ndrain_seconds = " << o.drain_seconds << "\nlinks = " << (o.data_links ? "data" : "grpc")
       << "\nmax_data_streams = " << (o.max_data_streams > 0 ? o.max_data_streams : o.max_sessions * 4 + 16)

@@ -8,7 +8,9 @@
 #include "validate.h"
 #include "wire.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <deque>
 #include <optional>
 #include <set>
@@ -50,6 +52,7 @@ dgr::v1::ForwardRequest next_request(const dgr::v1::ForwardRequest & req, dgr::v
     *next.mutable_token_ids() = req.token_ids();
     next.mutable_boundary()->Swap(reply->mutable_boundary());
     if (reply->has_cohort()) next.mutable_cohort()->Swap(reply->mutable_cohort());
+    if (reply->has_stages()) next.mutable_upstream()->Swap(reply->mutable_stages());
     next.set_chunk_index(req.chunk_index());
     next.set_last_chunk(req.last_chunk());
     next.set_n_draft(req.n_draft());
@@ -59,6 +62,18 @@ dgr::v1::ForwardRequest next_request(const dgr::v1::ForwardRequest & req, dgr::v
     *next.mutable_route() = req.route();
     next.mutable_route()->set_stage_index(req.route().stage_index() + 1);
     return next;
+}
+
+// forward mode: the time the stages up to this one spent on `req`, this one's added to what the
+// stages before it held (microseconds, saturating)
+void add_step_time(const dgr::v1::ForwardRequest & req, int64_t held_ns, double compute_s, dgr::v1::ForwardReply * reply) {
+    auto sum = [](uint32_t before, double seconds) {
+        const double us = (double) before + std::max(0.0, seconds) * 1e6;
+        return (uint32_t) std::min<double>(us, (double) UINT32_MAX);
+    };
+    auto * t = reply->mutable_stages();
+    t->set_held_us(sum(req.upstream().held_us(), (double) held_ns * 1e-9));
+    t->set_compute_us(std::min(t->held_us(), sum(req.upstream().compute_us(), compute_s)));
 }
 
 // a cohort as the batcher takes it, and onto the wire (absent when it is none)
@@ -157,6 +172,11 @@ ShardService::ShardService(std::unique_ptr<dgr::ShardEngine> engine, ServiceOpti
       metrics_(LiveState{[this] { return engine_->session_count(); },
                          [this] { return (size_t) std::max(0, in_flight_.load()); },
                          [this] { return engine_->kv_tokens(); }, [this] { return engine_->cache_stats(); },
+                         [this] {
+                             ConvoyRule::Estimate e = convoy_.latest();
+                             e.apart = e.apart && options_.convoy_auto;  // what the head does
+                             return e;
+                         },
                          (size_t) desc_.max_sessions,
                          (size_t) desc_.n_ctx * (size_t) desc_.max_sessions, desc_.model_buffer_bytes, desc_.kv_bytes,
                          desc_.compute_bytes}) {}
@@ -245,6 +265,7 @@ Status ShardService::compute(const dgr::v1::ForwardRequest & req, dgr::v1::Forwa
 
 Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::ForwardReply * reply, uint32_t peers,
                                  StepCheck & check) {
+    const int64_t arrived_ns = steady_ns();
     // backpressure: a bounded queue, refused beyond it (the session's cache is untouched and the
     // client may retry); the requests admitted compute in arrival order
     InFlight admitted(in_flight_);
@@ -314,6 +335,7 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
         encode_boundary(reply->mutable_boundary(), res.dtype, (uint32_t) res.n_rows, (uint32_t) desc_.boundary.hc,
                         (uint32_t) desc_.boundary.n_embd, res.data.data(), res.data.size());
     }
+    if (req.has_route()) add_step_time(req, steady_ns() - arrived_ns, timing.compute_seconds, reply);
     return Status::OK;
 }
 
@@ -408,7 +430,7 @@ class ShardService::HeadStream final : public HeadPort {
 public:
     HeadStream(ShardService & service, Stream * stream, const std::shared_ptr<HeadFlow> & flow,
                const dgr::v1::RouteSpec & route)
-        : service_(service), stream_(stream), flow_(flow), route_(route) {}
+        : service_(service), stream_(stream), flow_(flow), route_(route), convoy_(service.convoy_.of(route_costs_key(route, 0))) {}
 
     Status forward(const dgr::v1::ForwardRequest & r, uint32_t peers) override {
         if (!service_.desc_.is_tail && !down_) {
@@ -428,6 +450,10 @@ public:
     }
     bool reply(const dgr::v1::ForwardReply & r) override { return stream_->Write(r); }
     uint32_t peers_behind(int64_t sent_ns) override { return service_.peers_behind(flow_.get(), sent_ns); }
+    void observe_round(double round_s, const dgr::v1::StepTime & stages) override {
+        convoy_->observe(round_s, stages.held_us() * 1e-6, stages.compute_us() * 1e-6);
+    }
+    bool apart() override { return service_.options_.convoy_auto && convoy_->apart(); }
     void forgo(const Cohort & cohort) override { service_.batcher_.forgo(cohort); }
     void in_parts() override { service_.metrics_.step_in_parts(); }
     void close_link() { down_.reset(); }
@@ -437,6 +463,7 @@ private:
     Stream * stream_;
     std::shared_ptr<HeadFlow> flow_;
     const dgr::v1::RouteSpec & route_;
+    const std::shared_ptr<ConvoyRule> convoy_;  // its route's
     std::unique_ptr<Downstream> down_;
 };
 

@@ -14,6 +14,7 @@
 #pragma once
 
 #include "batcher.h"
+#include "convoy.h"
 #include "drafting.h"
 #include "metrics.h"
 #include "dgr/shard_engine.h"
@@ -38,6 +39,9 @@ struct ServiceOptions {
     int max_queue = 16;  // forwards that may wait behind the one computing; more are refused
     int max_batch = 16;  // sessions' decode steps computed in one llama_decode (1: FIFO turns)
     int gather_us = 5000;  // how long a decode step that arrived in a cohort waits for the rest (batcher.h)
+    // the head: its sessions travel apart where the links take much more than the stages'
+    // compute (convoy.h); false: always as a convoy (within the gather window)
+    bool convoy_auto = true;
     std::string compute_slots_dir;  // shared by the host's workers (empty: no slots)
     int compute_slots = 1;
     int pin_threads = 0;  // > 1: each forward's threads on its slot's cores; > 0: settle (slots.h)
@@ -151,6 +155,7 @@ private:
 
     ComputeSlots slots_;
     Batcher batcher_;  // turns on the engine, in arrival order; decode steps batched
+    ConvoyRules convoy_;  // the head: each route's sessions as a convoy or apart
     DraftCosts draft_costs_;  // speculative decoding: what steps cost per route, across generations
     mutable Metrics metrics_;  // counted from const paths too (a refused authorization)
 };

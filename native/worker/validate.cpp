@@ -162,6 +162,16 @@ Status check_fields(const dgr::v1::ForwardRequest & req, const dgr::Description 
                            "] (this stage's max_sessions)");
         }
     }
+    if (req.has_upstream()) {
+        const auto & t = req.upstream();
+        if (!req.has_route() || req.route().stage_index() == 0) {
+            return invalid("upstream: the time at the stages before this one, on a forward-mode request after the head");
+        }
+        if (t.compute_us() > t.held_us()) {
+            return invalid("upstream.compute_us: " + std::to_string(t.compute_us()) + " exceeds held_us " +
+                           std::to_string(t.held_us()) + " (a step's compute is part of its time held)");
+        }
+    }
     if (n_tok_ids > desc.n_batch) {
         return invalid("token_ids: " + std::to_string(n_tok_ids) + " ids, at most " + std::to_string(desc.n_batch) +
                        " per message");

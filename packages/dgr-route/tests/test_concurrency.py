@@ -28,6 +28,17 @@ def descriptor(smollm2: Path) -> list[str]:
     return descriptor_args(smollm2)
 
 
+def metrics(w: WorkerProcess) -> dict[str, Any]:
+    """A worker's /metrics.json (it runs with --metrics-listen)."""
+    import json
+    import urllib.request
+
+    assert w.metrics_url is not None
+    with urllib.request.urlopen(w.metrics_url + "/metrics.json", timeout=10) as r:
+        data: dict[str, Any] = json.load(r)
+    return data
+
+
 @pytest.fixture(scope="module")
 def fleet(smollm2: Path, descriptor: list[str], worker_pool: Any) -> list[WorkerProcess]:
     return [worker_pool.get(smollm2, a, b, descriptor=descriptor, n_ctx=512) for a, b in LAYOUT]
@@ -149,9 +160,6 @@ def test_a_convoy_of_sessions_stays_one_batch_around_the_ring(
     one convoy. No stage computes more llama_decodes than the stage before it, greedy output
     equals each session's solo run, and a session that ends (shorter max_tokens) lets its
     cohort-mates go on at once: no gather ever runs out its window."""
-    import json
-    import urllib.request
-
     from dgr_route.tokenizer import Tokenizer
 
     workers = start_stages(
@@ -161,13 +169,6 @@ def test_a_convoy_of_sessions_stays_one_batch_around_the_ring(
         max_sessions=4,
         extra=["--gather-us", "200000", "--metrics-listen", "127.0.0.1:0"],
     )
-
-    def metrics(w: WorkerProcess) -> dict[str, object]:
-        assert w.metrics_url is not None
-        with urllib.request.urlopen(w.metrics_url + "/metrics.json", timeout=10) as r:
-            data: dict[str, object] = json.load(r)
-        return data
-
     try:
         tokenizer = Tokenizer(smollm2)
         prompts = [tokenizer.encode(p) for p in PROMPTS]
@@ -208,3 +209,48 @@ def test_a_convoy_of_sessions_stays_one_batch_around_the_ring(
     timeouts = [a["dgr:cohort_gather_timeouts_total"] for a in after]
     assert timeouts == [0, 0, 0], f"a gather ran out its window: {timeouts}"
     assert elapsed < 60
+
+
+def test_the_head_keeps_a_convoy_on_loopback_and_sends_sessions_apart_behind_long_links(
+    engine_module: object, smollm2: Path, concurrently: Callable[..., list[Any]]
+) -> None:
+    """The head's convoy rule (native/worker/convoy.h) on real workers: each token comes back
+    with the stages' time for its step, and the head compares its round trip with it. On
+    loopback the links are a sliver of the round and the sessions stay one convoy; behind
+    dgr-netsim links of 10 ms each way (three hops around the ring) the links are most of it and
+    the head sends its sessions apart. Each route has a rule of its own, and either way every
+    session's greedy tokens are its solo run's."""
+    from dgr_bench.bench_wan import linked
+    from dgr_route.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(smollm2)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    workers = start_stages(
+        smollm2, LAYOUT, n_ctx=512, max_sessions=4, extra=["--metrics-listen", "127.0.0.1:0"]
+    )
+    try:
+        direct = [w.address for w in workers]
+        route = Route.open(direct, timeout=60)
+        alone = [list(route.generate(p, 24)) for p in prompts]
+        near = concurrently(lambda i: list(route.generate(prompts[i], 24)), len(prompts), 120)
+        route.close()
+        on_loopback = metrics(workers[0])
+        with linked(direct, 10) as addresses:
+            far_route = Route.open(addresses, timeout=60, peers=addresses)
+            far = concurrently(
+                lambda i: list(far_route.generate(prompts[i], 24)), len(prompts), 120
+            )
+            far_route.close()
+            behind_links = metrics(workers[0])
+    finally:
+        for w in workers:
+            w.stop()
+    assert near == alone
+    assert far == alone
+    link, compute = "dgr:head_route_link_seconds", "dgr:head_route_compute_seconds"
+    assert on_loopback["dgr:head_sessions_apart"] == 0, on_loopback
+    assert on_loopback[link] < 0.25 * on_loopback[compute], on_loopback
+    assert behind_links["dgr:head_sessions_apart"] == 1, behind_links
+    # three one-way hops of 10 ms: the head to stage 1, stage 1 to 2, the tail back to the head
+    assert 0.029 <= behind_links[link] < 0.2, behind_links
+    assert 0 < behind_links[compute] < behind_links[link], behind_links

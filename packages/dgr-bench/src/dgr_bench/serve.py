@@ -18,10 +18,13 @@ One run, one 3-stage SmolLM2 forward route of real workers at 2 threads each, `d
   token in one process plus 3 one-way hops times the delay) and K times it, and the host's
   ceiling: K sessions' aggregate with no delay at all over one session's behind the links
   (where the cores, not the links, set the bound). At 2 threads per worker (the gate's figures)
-  and at 1, each on workers of its own; and at 10 ms once more on workers that never wait to
-  gather a convoy (`--gather-us 0`): the convoy keeps sessions one llama_decode around the ring,
-  which pays where the stages share the cores and the links are short, and leaves every stage
-  idle while the convoy is on a link.
+  and at 1, each on workers of its own. The workers as they ship (`--convoy auto`) keep
+  concurrent sessions one convoy (one llama_decode around the ring, which pays where the stages
+  share the cores and the links are short) until their head measures links that take more than a
+  quarter of the stages' compute, and send them apart from then on (a convoy leaves every stage
+  idle while it is on a link). Beside them, at both delays, workers that always keep the convoy
+  (`--convoy always`, what they did before), and at 10 ms workers that never wait to gather one
+  (`--gather-us 0`).
 - health: /health latency while 64 requests wait for admission (max_active 4), p50 and p99.
 
 Writes evidence/bench/bench-serve.json with the host's core count; `gate_metrics` holds the
@@ -301,15 +304,18 @@ def compute_per_token(model: Path, threads: int) -> float:
 def aggregates_by_threads(
     model: Path, descriptor: list[str], workers: list[WorkerProcess]
 ) -> dict[str, Any]:
-    """The aggregate rows at 2 threads per worker (`workers`) and at 1, and at 10 ms on workers
-    that do not gather convoys, at both."""
+    """The aggregate rows at 2 threads per worker (`workers`) and at 1, on workers as they ship
+    (`gather`), that always keep the convoy, and (at 10 ms) that never gather one."""
     out: dict[str, Any] = {}
     for threads in (THREADS, 1):
         compute_s = compute_per_token(model, threads)
         print(f"{threads} thread(s) per worker: {compute_s * 1000:.2f} ms/token", flush=True)
         row: dict[str, Any] = {"compute_ms_per_token": round(compute_s * 1000, 2)}
-        for gather, latencies in (("gather", LATENCIES_MS), ("no_gather", (10,))):
-            extra = [] if gather == "gather" else ["--gather-us", "0"]
+        for gather, latencies, extra in (
+            ("gather", LATENCIES_MS, []),
+            ("convoy_always", LATENCIES_MS, ["--convoy", "always"]),
+            ("no_gather", (10,), ["--gather-us", "0"]),
+        ):
             own = (
                 []
                 if threads == THREADS and gather == "gather"
@@ -461,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
                     gate[f"ceiling_{n}_over_1_at_10ms{suffix}"] = round(ceiling, 3)
                     loose = row["no_gather"]["10ms"][f"{n}_over_1"]
                     gate[f"aggregate_{n}_over_1_at_10ms_no_gather{suffix}"] = loose
+                    for latency in LATENCIES_MS:
+                        always = row["convoy_always"][f"{latency}ms"][f"{n}_over_1"]
+                        gate[f"aggregate_{n}_over_1_at_{latency}ms_convoy_always{suffix}"] = always
         if "health" not in args.skip:
             result["health"] = health_queued(addresses)
             gate["health_p99_ms_64_queued"] = result["health"]["health_p99_ms"]
