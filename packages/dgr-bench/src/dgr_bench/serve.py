@@ -24,7 +24,8 @@ One run, one 3-stage SmolLM2 forward route of real workers at 2 threads each, `d
   quarter of the stages' compute, and send them apart from then on (a convoy leaves every stage
   idle while it is on a link). Beside them, at both delays, workers that always keep the convoy
   (`--convoy always`, what they did before), and at 10 ms workers that never wait to gather one
-  (`--gather-us 0`).
+  (`--gather-us 0`): every set started at once and timed in 3 interleaved rounds, the median
+  of each figure kept (the VM drifts more over minutes than the sets differ).
 - health: /health latency while 64 requests wait for admission (max_active 4), p50 and p99.
 
 Writes evidence/bench/bench-serve.json with the host's core count; `gate_metrics` holds the
@@ -301,32 +302,58 @@ def compute_per_token(model: Path, threads: int) -> float:
     )
 
 
+# the worker sets the aggregate rows compare: as they ship, always a convoy, never gathering one
+MODES: tuple[tuple[str, tuple[int, ...], list[str]], ...] = (
+    ("gather", LATENCIES_MS, []),
+    ("convoy_always", LATENCIES_MS, ["--convoy", "always"]),
+    ("no_gather", (10,), ["--gather-us", "0"]),
+)
+ROUNDS = 3  # interleaved: the VM drifts 10-20% over minutes, more than the modes differ
+
+
+def median_rows(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure of each latency's row, the median over the rounds; the ratios of every round
+    beside them (`rounds`)."""
+    out: dict[str, Any] = {}
+    for latency, first in rounds[0].items():
+        row = {k: round(statistics.median(r[latency][k] for r in rounds), 3) for k in first}
+        row["rounds"] = [
+            {k: v for k, v in r[latency].items() if k.endswith("_over_1")} for r in rounds
+        ]
+        out[latency] = row
+    return out
+
+
 def aggregates_by_threads(
     model: Path, descriptor: list[str], workers: list[WorkerProcess]
 ) -> dict[str, Any]:
-    """The aggregate rows at 2 threads per worker (`workers`) and at 1, on workers as they ship
-    (`gather`), that always keep the convoy, and (at 10 ms) that never gather one."""
+    """The aggregate rows at 2 threads per worker (`workers` as they ship) and at 1, on workers
+    as they ship (`gather`), that always keep the convoy, and (at 10 ms) that never gather one:
+    every set started at once and timed in ROUNDS interleaved rounds, the median kept."""
     out: dict[str, Any] = {}
     for threads in (THREADS, 1):
         compute_s = compute_per_token(model, threads)
         print(f"{threads} thread(s) per worker: {compute_s * 1000:.2f} ms/token", flush=True)
         row: dict[str, Any] = {"compute_ms_per_token": round(compute_s * 1000, 2)}
-        for gather, latencies, extra in (
-            ("gather", LATENCIES_MS, []),
-            ("convoy_always", LATENCIES_MS, ["--convoy", "always"]),
-            ("no_gather", (10,), ["--gather-us", "0"]),
-        ):
-            own = (
-                []
-                if threads == THREADS and gather == "gather"
-                else route_workers(model, descriptor, threads, extra)
-            )
-            try:
-                print(f"  {gather.replace('_', ' ')}:", flush=True)
-                row[gather] = aggregates(own or workers, compute_s, latencies)
-            finally:
-                for w in own:
-                    w.stop()
+        own: list[WorkerProcess] = []
+        try:
+            sets: dict[str, list[WorkerProcess]] = {}
+            for mode, _, extra in MODES:
+                if threads == THREADS and mode == "gather":
+                    sets[mode] = workers
+                else:
+                    sets[mode] = route_workers(model, descriptor, threads, extra)
+                    own += sets[mode]
+            rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode, _, _ in MODES}
+            for k in range(ROUNDS):
+                for mode, latencies, _ in MODES:
+                    print(f"  round {k + 1}/{ROUNDS}, {mode.replace('_', ' ')}:", flush=True)
+                    rounds[mode].append(aggregates(sets[mode], compute_s, latencies))
+            for mode, results in rounds.items():
+                row[mode] = median_rows(results)
+        finally:
+            for w in own:
+                w.stop()
         out[f"{threads}_threads"] = row
     return out
 
