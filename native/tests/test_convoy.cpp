@@ -77,3 +77,14 @@ TEST_CASE("convoy: each route has a rule of its own, the most recently used kept
     CHECK(rules.of(1) != a);  // dropped for room: learned afresh
     CHECK(a->apart());        // while a session that holds it still reads it
 }
+
+TEST_CASE("convoy: a rule that may not part (worker --convoy always) measures and keeps the convoy") {
+    ConvoyRules rules(false);
+    auto rule = rules.of(1);
+    for (int i = 0; i < 20; ++i) rule->observe(0.045, 0.015, 0.012);
+    CHECK_FALSE(rule->apart());
+    const ConvoyRule::Estimate e = rules.latest();  // what the metrics show: the head's choice
+    CHECK_FALSE(e.apart);
+    CHECK(std::abs(e.link_s - 0.030) < 1e-9);
+    CHECK(e.steps == 20);
+}

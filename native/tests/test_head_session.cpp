@@ -305,7 +305,7 @@ TEST_CASE("head: a step time whose compute exceeds its time held fails the sessi
     r.mutable_stages()->set_held_us(10);
     r.mutable_stages()->set_compute_us(11);
     CHECK(head->on_token(r, 1));
-    check_error(head.port.replies.back(), 2, "t:3", StatusCode::INVALID_ARGUMENT, "compute_us 11 exceeds held_us 10");
+    check_error(head.port.replies.back(), 2, "t:3", StatusCode::INVALID_ARGUMENT, "stages.compute_us: 11 exceeds held_us 10");
     CHECK(head.port.rounds.empty());
 }
 

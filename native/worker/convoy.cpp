@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <vector>
 
 namespace dgr::worker {
 
@@ -23,15 +22,16 @@ ConvoyRule::Estimate ConvoyRule::decide() const {
     Estimate e;
     e.steps = steps_.size();
     if (steps_.empty()) return e;
-    std::vector<double> compute;
+    std::array<double, kWindow> compute{};  // on every token's path: no allocation
     e.link_s = steps_.front().link_s;
-    for (const Step & s : steps_) {
-        e.link_s = std::min(e.link_s, s.link_s);
-        compute.push_back(s.compute_s);
+    for (size_t i = 0; i < steps_.size(); ++i) {
+        e.link_s = std::min(e.link_s, steps_[i].link_s);
+        compute[i] = steps_[i].compute_s;
     }
-    std::nth_element(compute.begin(), compute.begin() + (long) (compute.size() / 2), compute.end());
-    e.compute_s = compute[compute.size() / 2];
-    e.apart = e.steps >= kMinSteps && e.link_s > kLinkShare * e.compute_s;
+    const auto end = compute.begin() + (long) e.steps, mid = compute.begin() + (long) (e.steps / 2);
+    std::nth_element(compute.begin(), mid, end);
+    e.compute_s = *mid;
+    e.apart = may_part_ && e.steps >= kMinSteps && e.link_s > kLinkShare * e.compute_s;
     return e;
 }
 
@@ -48,7 +48,7 @@ ConvoyRule::Estimate ConvoyRule::estimate() const {
 std::shared_ptr<ConvoyRule> ConvoyRules::of(uint64_t route) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = std::find_if(rules_.begin(), rules_.end(), [&](const auto & r) { return r.first == route; });
-    std::shared_ptr<ConvoyRule> rule = it != rules_.end() ? it->second : std::make_shared<ConvoyRule>();
+    std::shared_ptr<ConvoyRule> rule = it != rules_.end() ? it->second : std::make_shared<ConvoyRule>(may_part_);
     if (it != rules_.end()) rules_.erase(it);
     rules_.emplace_back(route, rule);
     if (rules_.size() > kRoutes) rules_.pop_front();  // a session still holding it keeps it

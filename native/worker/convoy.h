@@ -17,6 +17,7 @@
 // ring's compute (their median), and travel as a convoy until kMinSteps steps were seen.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -39,6 +40,9 @@ public:
         bool apart = false;
     };
 
+    // may_part false (worker --convoy always): it measures, and keeps the convoy whatever it finds
+    explicit ConvoyRule(bool may_part = true) : may_part_(may_part) {}
+
     // one decode step: its round trip at the head and the stages' time for it, seconds
     void observe(double round_s, double held_s, double compute_s);
     bool apart() const;
@@ -50,6 +54,7 @@ private:
     };
     Estimate decide() const;  // with the lock held
 
+    const bool may_part_;
     mutable std::mutex mutex_;
     std::deque<Step> steps_;
     Estimate now_;
@@ -60,12 +65,14 @@ private:
 class ConvoyRules {
 public:
     static constexpr size_t kRoutes = 64;
+    explicit ConvoyRules(bool may_part = true) : may_part_(may_part) {}  // as ConvoyRule's
     // the rule of the route keyed `route` (head_session.h's route_costs_key with source 0), made if new
     std::shared_ptr<ConvoyRule> of(uint64_t route);
     // of the route whose rule was asked for last (what the metrics show)
     ConvoyRule::Estimate latest() const;
 
 private:
+    const bool may_part_;
     mutable std::mutex mutex_;
     std::deque<std::pair<uint64_t, std::shared_ptr<ConvoyRule>>> rules_;  // most recent last
 };

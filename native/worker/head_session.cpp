@@ -83,6 +83,11 @@ bool HeadSession::fail(const dgr::v1::StageError & e) {
 
 bool HeadSession::fail_here(const Status & status) { return fail(stage_error(0, route_.stages(0), status)); }
 
+bool HeadSession::fail_at_tail(const Status & status) {
+    const int tail = route_.stages_size() - 1;
+    return fail(stage_error((uint32_t) tail, route_.stages(tail), status));
+}
+
 bool HeadSession::on_failure(const dgr::v1::StageError & error) { return fail(error); }
 
 bool HeadSession::on_closed() {
@@ -176,19 +181,11 @@ bool HeadSession::on_token(dgr::v1::ForwardReply reply, int64_t sent_ns) {
     // MTP: the tail's drafts for the next step (not the coordinator's business)
     std::vector<int32_t> proposed(reply.drafts().begin(), reply.drafts().end());
     reply.clear_drafts();
-    if (Status st = check_drafts(proposed, limits_.n_vocab); !st.ok()) {
-        const int tail = route_.stages_size() - 1;
-        return fail(stage_error((uint32_t) tail, route_.stages(tail), st));
-    }
+    if (Status st = check_drafts(proposed, limits_.n_vocab); !st.ok()) return fail_at_tail(st);
     Drafting * dr = drafting_.get();
     if (reply.has_stages()) {
         const auto & t = reply.stages();
-        if (t.compute_us() > t.held_us()) {
-            const int tail = route_.stages_size() - 1;
-            return fail(stage_error((uint32_t) tail, route_.stages(tail),
-                                    invalid("stages: compute_us " + std::to_string(t.compute_us()) + " exceeds held_us " +
-                                            std::to_string(t.held_us()) + " (a step's compute is part of its time held)")));
-        }
+        if (Status st = validate_step_time(t, "stages"); !st.ok()) return fail_at_tail(st);
         // a plain step's round (a drafted one's time depends on its drafts)
         if (sent_ns != 0 && (!dr || dr->in_flight == 0)) port_.observe_round((double) (steady_ns() - sent_ns) * 1e-9, t);
         reply.clear_stages();  // the coordinator's tokens carry no step times

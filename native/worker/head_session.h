@@ -120,6 +120,7 @@ private:
     void send(const dgr::v1::ForwardRequest & req, uint32_t peers);
     bool fail(const dgr::v1::StageError & error);
     bool fail_here(const grpc::Status & status);  // a failure of this stage (the head)
+    bool fail_at_tail(const grpc::Status & status);  // what came back from the tail is wrong
 
     const uint64_t session_, epoch_;
     const dgr::v1::RouteSpec route_;

@@ -169,14 +169,11 @@ ShardService::ShardService(std::unique_ptr<dgr::ShardEngine> engine, ServiceOpti
       slots_(options_.compute_slots_dir, options_.compute_slots, options_.pin_threads),
       batcher_(*engine_, std::min(options_.max_batch, desc_.n_batch), slots_, std::chrono::microseconds(options_.gather_us),
                [this](size_t width) { metrics_.turn(width); }),
+      convoy_(options_.convoy_auto),
       metrics_(LiveState{[this] { return engine_->session_count(); },
                          [this] { return (size_t) std::max(0, in_flight_.load()); },
                          [this] { return engine_->kv_tokens(); }, [this] { return engine_->cache_stats(); },
-                         [this] {
-                             ConvoyRule::Estimate e = convoy_.latest();
-                             e.apart = e.apart && options_.convoy_auto;  // what the head does
-                             return e;
-                         },
+                         [this] { return convoy_.latest(); },
                          (size_t) desc_.max_sessions,
                          (size_t) desc_.n_ctx * (size_t) desc_.max_sessions, desc_.model_buffer_bytes, desc_.kv_bytes,
                          desc_.compute_bytes}) {}
@@ -453,7 +450,7 @@ public:
     void observe_round(double round_s, const dgr::v1::StepTime & stages) override {
         convoy_->observe(round_s, stages.held_us() * 1e-6, stages.compute_us() * 1e-6);
     }
-    bool apart() override { return service_.options_.convoy_auto && convoy_->apart(); }
+    bool apart() override { return convoy_->apart(); }
     void forgo(const Cohort & cohort) override { service_.batcher_.forgo(cohort); }
     void in_parts() override { service_.metrics_.step_in_parts(); }
     void close_link() { down_.reset(); }

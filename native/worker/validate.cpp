@@ -86,6 +86,14 @@ Status validate_sampling(const dgr::v1::Sampling & s, int32_t n_vocab) {
     return Status::OK;
 }
 
+Status validate_step_time(const dgr::v1::StepTime & t, const std::string & field) {
+    if (t.compute_us() > t.held_us()) {
+        return invalid(field + ".compute_us: " + std::to_string(t.compute_us()) + " exceeds held_us " +
+                       std::to_string(t.held_us()) + " (a step's compute is part of its time held)");
+    }
+    return Status::OK;
+}
+
 Status validate_route(const dgr::v1::RouteSpec & route, const dgr::Description & desc) {
     const int n = route.stages_size();
     if (n < 1) return invalid("route.stages: empty");
@@ -167,10 +175,7 @@ Status check_fields(const dgr::v1::ForwardRequest & req, const dgr::Description 
         if (!req.has_route() || req.route().stage_index() == 0) {
             return invalid("upstream: the time at the stages before this one, on a forward-mode request after the head");
         }
-        if (t.compute_us() > t.held_us()) {
-            return invalid("upstream.compute_us: " + std::to_string(t.compute_us()) + " exceeds held_us " +
-                           std::to_string(t.held_us()) + " (a step's compute is part of its time held)");
-        }
+        if (Status st = validate_step_time(t, "upstream"); !st.ok()) return st;
     }
     if (n_tok_ids > desc.n_batch) {
         return invalid("token_ids: " + std::to_string(n_tok_ids) + " ids, at most " + std::to_string(desc.n_batch) +

@@ -41,6 +41,9 @@ inline bool is_step_part(const dgr::v1::ForwardRequest & req) {
     return req.has_route() && req.n_draft() > 0 && (req.chunk_index() > 0 || !req.last_chunk());
 }
 
+// forward mode: a StepTime (`field` names it in the error) whose compute lies within its time held
+grpc::Status validate_step_time(const dgr::v1::StepTime & t, const std::string & field);
+
 // forward mode: a route that names this stage at its place ([first, last) decides head and tail)
 grpc::Status validate_route(const dgr::v1::RouteSpec & route, const dgr::Description & desc);
 
