@@ -89,6 +89,54 @@ def test_sessions_batched_together_equal_their_solo_runs_bitwise(
             w.stop()
 
 
+@pytest.mark.parametrize("threads", [1, 2], ids=lambda t: f"{t}-threads")
+def test_sessions_sent_apart_behind_long_links_equal_their_solo_runs_bitwise(
+    smollm2: Path, threads: int, concurrently: Callable[..., list[Any]]
+) -> None:
+    """Behind 10 ms links the head sends concurrent sessions apart (native/worker/convoy.h):
+    their steps meet at the stages in whatever groups they arrive in, and each still gets its
+    solo run's tokens and f32 logits."""
+    import json
+    import urllib.request
+
+    from dgr_bench.bench_wan import linked
+
+    prompts = _prompts(smollm2)
+    descriptor = descriptor_args(smollm2)
+    workers = [
+        start_worker(
+            smollm2,
+            a,
+            b,
+            descriptor=descriptor,
+            threads=threads,
+            n_ctx=512,
+            extra=["--metrics-listen", "127.0.0.1:0"],
+        )
+        for a, b in LAYOUT
+    ]
+    try:
+        with linked([w.address for w in workers], 10) as addresses:
+            route = Route.open(addresses, timeout=300, peers=addresses, prefix_reuse=False)
+            solo = [_trace(route, p) for p in prompts]
+            together = concurrently(lambda i: _trace(route, prompts[i]), len(prompts), 600)
+            route.close()
+        assert workers[0].metrics_url is not None
+        with urllib.request.urlopen(workers[0].metrics_url + "/metrics.json", timeout=10) as r:
+            head = json.load(r)
+    finally:
+        for w in workers:
+            w.stop()
+    assert head["dgr:head_sessions_apart"] == 1, head
+    for i, ((tokens, logits), (ref_tokens, ref_logits)) in enumerate(
+        zip(together, solo, strict=True)
+    ):
+        assert tokens == ref_tokens, f"prompt {i}: tokens part at {_first_diff(tokens, ref_tokens)}"
+        assert np.array_equal(logits, ref_logits), (
+            f"prompt {i}: logits differ (max |d| {np.abs(logits - ref_logits).max()})"
+        )
+
+
 def _first_diff(a: list[int], b: list[int]) -> int:
     return next(
         (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
