@@ -96,9 +96,6 @@ def test_sessions_sent_apart_behind_long_links_equal_their_solo_runs_bitwise(
     """Behind 10 ms links the head sends concurrent sessions apart (native/worker/convoy.h):
     their steps meet at the stages in whatever groups they arrive in, and each still gets its
     solo run's tokens and f32 logits."""
-    import json
-    import urllib.request
-
     from dgr_bench.bench_wan import linked
 
     prompts = _prompts(smollm2)
@@ -121,9 +118,7 @@ def test_sessions_sent_apart_behind_long_links_equal_their_solo_runs_bitwise(
             solo = [_trace(route, p) for p in prompts]
             together = concurrently(lambda i: _trace(route, prompts[i]), len(prompts), 600)
             route.close()
-        assert workers[0].metrics_url is not None
-        with urllib.request.urlopen(workers[0].metrics_url + "/metrics.json", timeout=10) as r:
-            head = json.load(r)
+        head = workers[0].metrics_json()
     finally:
         for w in workers:
             w.stop()

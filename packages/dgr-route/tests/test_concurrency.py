@@ -28,17 +28,6 @@ def descriptor(smollm2: Path) -> list[str]:
     return descriptor_args(smollm2)
 
 
-def metrics(w: WorkerProcess) -> dict[str, Any]:
-    """A worker's /metrics.json (it runs with --metrics-listen)."""
-    import json
-    import urllib.request
-
-    assert w.metrics_url is not None
-    with urllib.request.urlopen(w.metrics_url + "/metrics.json", timeout=10) as r:
-        data: dict[str, Any] = json.load(r)
-    return data
-
-
 @pytest.fixture(scope="module")
 def fleet(smollm2: Path, descriptor: list[str], worker_pool: Any) -> list[WorkerProcess]:
     return [worker_pool.get(smollm2, a, b, descriptor=descriptor, n_ctx=512) for a, b in LAYOUT]
@@ -175,14 +164,14 @@ def test_a_convoy_of_sessions_stays_one_batch_around_the_ring(
         lengths = [12, 16, 20, 24]
         route = Route.open([w.address for w in workers], timeout=60)
         alone = [list(route.generate(p, n)) for p, n in zip(prompts, lengths, strict=True)]
-        before = [metrics(w) for w in workers]
+        before = [w.metrics_json() for w in workers]
         t0 = time.monotonic()
         together = concurrently(
             lambda i: list(route.generate(prompts[i], lengths[i])), len(prompts)
         )
         elapsed = time.monotonic() - t0
         route.close()
-        after = [metrics(w) for w in workers]
+        after = [w.metrics_json() for w in workers]
     finally:
         for w in workers:
             w.stop()
@@ -234,14 +223,14 @@ def test_the_head_keeps_a_convoy_on_loopback_and_sends_sessions_apart_behind_lon
         alone = [list(route.generate(p, 24)) for p in prompts]
         near = concurrently(lambda i: list(route.generate(prompts[i], 24)), len(prompts), 120)
         route.close()
-        on_loopback = metrics(workers[0])
+        on_loopback = workers[0].metrics_json()
         with linked(direct, 10) as addresses:
             far_route = Route.open(addresses, timeout=60, peers=addresses)
             far = concurrently(
                 lambda i: list(far_route.generate(prompts[i], 24)), len(prompts), 120
             )
             far_route.close()
-            behind_links = metrics(workers[0])
+            behind_links = workers[0].metrics_json()
     finally:
         for w in workers:
             w.stop()

@@ -7,9 +7,7 @@ differences that made a suffix prefilled after a reused prefix differ from a ful
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,12 +78,6 @@ def _conversation(
     return out
 
 
-def _metrics(worker: WorkerProcess) -> dict[str, float]:
-    assert worker.metrics_url
-    with urllib.request.urlopen(worker.metrics_url + "/metrics.json", timeout=5) as r:
-        return json.loads(r.read())  # type: ignore[no-any-return]
-
-
 def test_a_conversation_reusing_its_prefix_equals_full_prefills_bitwise(
     smollm2: Path, fleet: list[WorkerProcess]
 ) -> None:
@@ -96,14 +88,14 @@ def test_a_conversation_reusing_its_prefix_equals_full_prefills_bitwise(
     full = Route.open(addresses, timeout=120, prefix_reuse=False)
     reference = _conversation(full, tokenizer)
     full.close()
-    before = [_metrics(w) for w in fleet]
+    before = [w.metrics_json(timeout=5) for w in fleet]
     reused = Route.open(addresses, timeout=120)
     got = _conversation(reused, tokenizer)
     reused.close()
     deadline = time.monotonic() + 5  # the stages free (and keep) their sessions as streams end
     while any(w.sessions() for w in fleet) and time.monotonic() < deadline:
         time.sleep(0.05)
-    after = [_metrics(w) for w in fleet]
+    after = [w.metrics_json(timeout=5) for w in fleet]
     for turn, (
         (tokens, logits, n, cached),
         (ref_tokens, ref_logits, ref_n, ref_cached),
@@ -169,7 +161,7 @@ def test_a_restarted_stage_refuses_the_prefix_and_the_route_prefills_in_full(
         # turn 1 asked for what the old middle kept: refused there, prefilled in full; the
         # turns after it reuse what the one before left on every stage
         assert got[0][3] == 0 and got[1][3] > 0 and got[2][3] > 0
-        assert _metrics(workers[1])["dgr:prefix_cache_misses_total"] >= 1
+        assert workers[1].metrics_json(timeout=5)["dgr:prefix_cache_misses_total"] >= 1
         deadline = time.monotonic() + 5  # the stages free their sessions as the streams end
         while any(w.sessions() for w in workers) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -217,7 +209,9 @@ def test_a_reused_session_fails_over_and_equals_full_prefills(smollm2: Path) -> 
             if len(tokens) == 8:
                 workers[1].kill()
         assert len(session.failures) == 1
-        assert _metrics(workers[0])["dgr:prefix_cache_hits_total"] >= 1  # turn 2 started reused
+        assert (
+            workers[0].metrics_json(timeout=5)["dgr:prefix_cache_hits_total"] >= 1
+        )  # turn 2 started reused
         assert tokens == reference[1][0]
         assert np.array_equal(np.stack(logits), reference[1][1])
     finally:
@@ -245,11 +239,11 @@ def test_many_different_prompts_evict_by_lru_within_the_bytes_bound(smollm2: Pat
         rss = []
         for k, prompt in enumerate(prompts):
             list(route.generate(prompt, 4))
-            m = _metrics(worker)
+            m = worker.metrics_json(timeout=5)
             assert m["dgr:prefix_cache_bytes"] <= bound
             if k in (9, 39):
                 rss.append(m["process_resident_memory_bytes"])
-        m = _metrics(worker)
+        m = worker.metrics_json(timeout=5)
         assert 1 <= m["dgr:prefix_cache_sessions"] <= 2
         assert m["dgr:prefix_cache_evictions_total"] >= 30
         assert rss[1] - rss[0] < 4 << 20, f"RSS grew {(rss[1] - rss[0]) >> 10} KiB"

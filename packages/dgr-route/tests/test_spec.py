@@ -364,13 +364,7 @@ def test_sampled_drafted_output_equals_plain_decode(
 
 
 def metric(worker: WorkerProcess, name: str) -> float:
-    import json
-    import urllib.request
-
-    assert worker.metrics_url is not None
-    with urllib.request.urlopen(f"{worker.metrics_url}/metrics.json", timeout=10) as r:
-        figures = json.load(r)
-    return float(figures[name])
+    return float(worker.metrics_json()[name])
 
 
 def test_the_coordinator_refuses_drafts_it_cannot_run(

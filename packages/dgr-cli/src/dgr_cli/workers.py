@@ -38,6 +38,17 @@ class WorkerProcess:
                 return f"http://{self.host}:{int(line[len(METRICS) :])}"
         return None
 
+    def metrics_json(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Its /metrics.json now: every figure by name (it runs with --metrics-listen)."""
+        import json
+        import urllib.request
+
+        if self.metrics_url is None:
+            raise RuntimeError(f"worker {self.address} serves no metrics (no --metrics-listen)")
+        with urllib.request.urlopen(self.metrics_url + "/metrics.json", timeout=timeout) as r:
+            data: dict[str, Any] = json.load(r)
+        return data
+
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
