@@ -48,7 +48,7 @@ def local(smollm2: Path) -> Tokenizer:
 
 
 def test_the_remote_tokenizer_is_the_local_one(remote: RemoteTokenizer, local: Tokenizer) -> None:
-    assert remote.n_vocab == local.vocab.n_vocab
+    assert remote.n_vocab == local.n_vocab == local.vocab.n_vocab
     assert remote.eog_ids == local.eog_ids and remote.eog_ids
     for text in TEXTS:
         assert remote.encode(text) == local.encode(text), text

@@ -303,6 +303,10 @@ def test_openai_errors(client: openai.OpenAI, base: str) -> None:
     cases = [
         ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
         ({"prompt": "hi", "temperature": float("nan")}, "temperature"),
+        ({"prompt": "hi", "top_p": float("inf")}, "top_p"),
+        ({"prompt": [1, 2, 49152]}, "prompt"),  # a token id past the vocabulary
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": "hi", "top_k": 2**40}, "top_k"),  # past the wire's uint32
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"prompt": "hi", "logprobs": 9}, "logprobs"),
@@ -317,8 +321,43 @@ def test_openai_errors(client: openai.OpenAI, base: str) -> None:
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["type"] == "invalid_request_error" and param in (error["param"] or ""), error
+        if isinstance(body.get("prompt"), list):
+            assert "outside the vocabulary of 49152 tokens" in error["message"], error
+        elif param in ("temperature", "top_p"):
+            assert "finite number" in error["message"], error
+    r = httpx.post(
+        f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
+    assert r.json()["error"]["message"].startswith("the request body is not valid JSON"), r.text
     r = httpx.get(f"{base}/v1/nothing-here")
     assert r.status_code == 404 and "error" in r.json()
+
+
+class BrokenTokenizer:
+    """The real tokenizer but for encode, which fails as a defect of the server would."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.inner = tokenizer
+        self.eog_ids, self.n_vocab = tokenizer.eog_ids, tokenizer.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        raise RuntimeError("tokenizer broke")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_a_defect_of_the_server_is_still_an_openai_error(
+    route: Route, tokenizer: Tokenizer
+) -> None:
+    with serving(create_app(route, BrokenTokenizer(tokenizer), MODEL)) as url:  # type: ignore[arg-type]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert error["type"] == "server_error" and error["code"] == "internal_error", error
+        assert error["message"] == "internal error: RuntimeError: tokenizer broke", error
+        assert httpx.get(f"{url}/health").status_code == 200  # and it goes on serving
 
 
 def test_logprobs_come_from_the_tail(client: openai.OpenAI) -> None:

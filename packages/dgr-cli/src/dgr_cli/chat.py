@@ -15,10 +15,10 @@ import argparse
 import sys
 from typing import Any
 
-from dgr_route.route import RouteError, Sampling
+from dgr_route.route import RouteError
 from dgr_route.tokenizer import TokenizerLike
 
-from dgr_cli.commands import add_route_options, open_client, stream_text
+from dgr_cli.commands import add_route_options, open_client, sampling_of, stream_text
 
 PROMPT = "> "
 
@@ -44,13 +44,15 @@ class Conversation:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    sampling = sampling_of(args)
+    if sampling is None:
+        return 2
     client = open_client(args)
     if client is None:
         return 1
     route, tokenizer = client
     n_ctx = min(s.describe.n_ctx for s in route.stages)
     conversation = Conversation(tokenizer, n_ctx, args.system)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     out = sys.stdout
     print(
         f"dgr chat: {len(route.stages)} stages, context {n_ctx} tokens. "

@@ -89,13 +89,25 @@ def open_client(args: argparse.Namespace) -> tuple[Route, TokenizerLike] | None:
         return None
 
 
+def sampling_of(args: argparse.Namespace) -> Sampling | None:
+    """The sampling options as the route takes them; None (said on standard error) if one is
+    out of its range."""
+    try:
+        return Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    sampling = sampling_of(args)
+    if sampling is None:
+        return 2
     client = open_client(args)
     if client is None:
         return 1
     route, tokenizer = client
     prompt = tokenizer.encode(args.prompt)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     started = time.perf_counter()
     try:
         count = stream_text(route, tokenizer, prompt, args.max_tokens, sampling, sys.stdout).tokens

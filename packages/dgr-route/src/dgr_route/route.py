@@ -90,6 +90,10 @@ class Stage:
         return LayerRange(first=self.describe.layer_first, last=self.describe.layer_last)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+FINITE = "a finite number >= 0"
+
+
 @dataclass
 class Sampling:
     temperature: float = 0.0
@@ -97,6 +101,19 @@ class Sampling:
     top_p: float = 0.0
     seed: int = 0
     want_logits: bool = False  # the tail returns each step's logits with the token
+
+    def __post_init__(self) -> None:
+        """The wire's ranges (float32, uint32, uint64), checked where the caller made the value:
+        a bad one is a ValueError naming it, before any stage is asked (the tail checks again)."""
+        checks = (
+            ("temperature", self.temperature, 0 <= self.temperature <= FLOAT32_MAX, FINITE),
+            ("top_k", self.top_k, 0 <= self.top_k < 2**32, "an integer in [0, 2**32)"),
+            ("top_p", self.top_p, 0 <= self.top_p <= 1, "a number in [0, 1]"),
+            ("seed", self.seed, 0 <= self.seed < 2**64, "an integer in [0, 2**64)"),
+        )
+        for name, value, ok, what in checks:
+            if not ok:  # NaN fails every comparison
+                raise ValueError(f"sampling {name} must be {what}, not {value!r}")
 
     def message(self) -> pb.Sampling:
         return pb.Sampling(

@@ -22,6 +22,7 @@ class TokenizerLike(Protocol):
     """What the clients need of the model's tokenizer."""
 
     eog_ids: frozenset[int]
+    n_vocab: int  # token ids lie in [0, n_vocab)
 
     def encode(self, text: str) -> list[int]: ...
     def detokenize(self, tokens: list[int]) -> bytes: ...
@@ -45,8 +46,9 @@ class Tokenizer:
         from dgr_route.engine import locate
 
         self.vocab = locate().module().Vocabulary(str(model))
+        self.n_vocab = int(self.vocab.n_vocab)
         # end-of-generation ids go to the route as its stop ids: the head stops decoding itself
-        self.eog_ids = frozenset(t for t in range(self.vocab.n_vocab) if self.vocab.is_eog(t))
+        self.eog_ids = frozenset(t for t in range(self.n_vocab) if self.vocab.is_eog(t))
 
     def encode(self, text: str) -> list[int]:
         return list(self.vocab.tokenize(text, True))

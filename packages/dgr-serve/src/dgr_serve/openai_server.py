@@ -124,14 +124,14 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     """Fields both endpoints take. Unknown arguments are refused, as OpenAI does, rather than
     silently ignored; known ones this server cannot honour are refused unless left at their
-    defaults."""
+    defaults. Numbers must be finite: NaN and infinities are refused by name."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, ge=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # an extension, as llama-server and vLLM take it
+    top_k: int = Field(default=0, ge=0, lt=2**32)  # an extension, as llama-server and vLLM take it
     seed: int | None = None
     user: str | None = None
     stop: str | list[str] | None = None
@@ -300,9 +300,19 @@ def create_app(
         param = ".".join(loc) or None
         if first.get("type") == "extra_forbidden":
             message = f"Unrecognized request argument supplied: {param}"
+        elif first.get("type") == "json_invalid":
+            param = None  # its loc is a character offset, not a field
+            message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
         else:
             message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc)
         return OpenAIError(400, message, param=param).response()
+
+    @app.exception_handler(Exception)
+    def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # a defect of this server, not the client's: still an OpenAI error object (the traceback
+        # goes to the server's log)
+        what = f"internal error: {type(exc).__name__}: {exc}"
+        return OpenAIError(500, what, "server_error", code="internal_error").response()
 
     @app.exception_handler(HTTPException)
     def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -330,6 +340,17 @@ def create_app(
         check_model(req.model)
         if not prompt:
             raise OpenAIError(400, "the prompt is empty", param=param)
+        # token ids given as such: the client's error, named here, before a stage refuses them
+        n_vocab = tokenizer.n_vocab
+        outside = next(((i, t) for i, t in enumerate(prompt) if not 0 <= t < n_vocab), None)
+        if outside is not None:
+            raise OpenAIError(
+                400,
+                f"token id {outside[1]} (position {outside[0]}) is outside the vocabulary of "
+                f"{n_vocab} tokens",
+                param=param,
+                code="invalid_value",
+            )
         room = n_ctx - len(prompt)
         if room < 1:
             raise OpenAIError(
