@@ -86,6 +86,15 @@ def test_forward_mode_stops_at_stop_ids_and_max_tokens(
     first = expected.index(stop)
     assert list(route.generate(prompt, 64, stop={stop})) == expected[: first + 1]
     assert list(route.generate(prompt, 0)) == []
+    # nothing to prefill is the caller's error, at once (it waited out the route's timeout for
+    # a token no stage could send), and the route goes on serving
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        list(route.generate([], 5))
+    with pytest.raises(ValueError, match="max_tokens must be >= 0, not -1"):
+        list(route.generate(prompt, -1))
+    assert time.monotonic() - started < 1.0
+    assert list(route.generate(prompt, 5)) == expected[:5]
     route.close()
 
 
@@ -131,7 +140,7 @@ def test_forward_mode_keeps_prefill_chunks_in_order(
     "layout,stage,needle",
     [
         ([(0, 10), (20, 30)], 1, "leaves a gap"),
-        ([(0, 20), (10, 30)], 1, "leaves a overlap"),
+        ([(0, 20), (10, 30)], 1, "overlaps the stage before"),
         ([(0, 10), (10, 20)], 1, "route ends at layer 20, the model has 30"),
     ],
 )
@@ -363,6 +372,11 @@ def test_cli_generate_streams_through_a_route(
     )
     assert "Paris" in done.stdout
     assert "tok/s) through 2 stages" in done.stderr
+    empty = subprocess.run(
+        ["dgr", "generate", "--route", route, ""], capture_output=True, text=True, timeout=60
+    )
+    assert empty.returncode == 2, empty
+    assert "error: the prompt is empty: it encodes to no tokens" in empty.stderr
 
 
 def test_an_abandoned_stream_frees_its_session(

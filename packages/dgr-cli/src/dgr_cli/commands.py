@@ -108,6 +108,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 1
     route, tokenizer = client
     prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        print("error: the prompt is empty: it encodes to no tokens", file=sys.stderr)
+        route.close()
+        return 2
     started = time.perf_counter()
     try:
         count = stream_text(route, tokenizer, prompt, args.max_tokens, sampling, sys.stdout).tokens

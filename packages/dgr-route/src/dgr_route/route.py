@@ -443,7 +443,13 @@ class Route:
         """Prefill `history` (the prompt, or everything so far when a session moves to this
         route under a new epoch: then `prompt_len` says where its generated tokens start, see
         prefill_plan) from n_past 0, then decode; each result is the next token. The session's
-        caches on these stages are closed when the generator ends, or when the route closes."""
+        caches on these stages are closed when the generator ends, or when the route closes.
+        An empty history or a negative max_tokens is a ValueError, raised here (no stage could
+        answer a prefill of nothing: the coordinator would wait for a token that never comes)."""
+        if not history:
+            raise ValueError("the prompt is empty: a generation starts from at least one token")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, not {max_tokens}")
         generation = self._generation(
             session, epoch, history, max_tokens, sampling, stop, prompt_len, usage
         )
@@ -765,11 +771,11 @@ def check_route(stages: list[Stage]) -> None:
         except ValueError as exc:  # the worker's Describe, validated as a LayerRange
             raise RouteError(stage.index, stage.address, f"invalid layer range: {exc}") from exc
         if lo != expected:
-            what = "gap" if lo > expected else "overlap"
+            what = "leaves a gap" if lo > expected else "overlaps the stage before"
             raise RouteError(
                 stage.index,
                 stage.address,
-                f"layer range [{lo}, {hi}) leaves a {what}: expected it to start at {expected}",
+                f"layer range [{lo}, {hi}) {what}: expected it to start at {expected}",
             )
         expected = hi
     if expected != n_layer:
