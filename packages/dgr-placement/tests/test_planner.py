@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -293,3 +295,40 @@ def test_dgr_plan_prints_the_plan_and_writes_a_recipe(smollm2: Path, tmp_path: P
     path.write_text("nodes: []\nlinks: {latency_ms: []}\n")
     bad = subprocess.run(base, capture_output=True, text=True)
     assert bad.returncode == 2 and "nodes" in bad.stderr
+
+    # a node without its compute is probed here: not at more threads than this machine has
+    # cores (ggml's spinning barriers made that a silent wait of minutes), refused at once
+    many = len(os.sched_getaffinity(0)) + 1
+    del nodes["nodes"][0]["compute"]
+    nodes["nodes"][0]["threads"] = many
+    path.write_text(yaml.safe_dump(nodes))
+    started = time.monotonic()
+    refused = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused
+    assert f"node 'big' has no compute: cannot probe {many} threads" in refused.stderr
+    assert f"dgr plan --probe-threads {many}" in refused.stderr
+    probe = subprocess.run(
+        [*base[:4], "--probe-threads", str(many)], capture_output=True, text=True, timeout=120
+    )
+    assert probe.returncode == 2 and "cannot probe" in probe.stderr, probe
+    assert time.monotonic() - started < 60
+
+
+def test_the_documented_nodes_file_plans(smollm2: Path, tmp_path: Path) -> None:
+    """docs/usage.md's nodes.yaml, at `dgr plan`'s defaults (n_ctx 2048, 4 sessions), fits:
+    node b's compute given (it would be probed here) so that only the memory model decides."""
+    usage = (Path(__file__).parents[3] / "docs" / "usage.md").read_text()
+    block = usage.split("```yaml\nnodes:", 1)[1].split("```", 1)[0]
+    nodes = yaml.safe_load("nodes:" + block)
+    nodes["nodes"][1]["compute"] = nodes["nodes"][0]["compute"]
+    path = tmp_path / "nodes.yaml"
+    path.write_text(yaml.safe_dump(nodes))
+    dgr = str(Path(sys.executable).parent / "dgr")
+    out = subprocess.run(
+        [dgr, "plan", "--model", str(smollm2), "--nodes", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "route: --route " in out.stdout

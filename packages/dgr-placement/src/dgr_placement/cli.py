@@ -36,11 +36,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from dgr_placement import planner
     from dgr_placement.nodes import load_nodes
-    from dgr_placement.profile import probe
+    from dgr_placement.profile import ProbeError, probe
 
     model = model_arg(args.model)
     if args.probe_threads is not None:
-        compute = probe(model, args.probe_threads)
+        try:
+            compute = probe(model, args.probe_threads)
+        except ProbeError as exc:
+            print(f"dgr plan: {exc}", file=sys.stderr)
+            return 2
         print(
             f"compute: {json.dumps(compute.model_dump())}  # {model.name}, "
             f"{args.probe_threads} threads"
@@ -56,6 +60,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
     try:
         result = make_plan(model, nodes, args)
+    except ProbeError as exc:
+        print(f"dgr plan: {exc}", file=sys.stderr)
+        return 2
     except planner.NoPlan as exc:
         print(f"dgr plan: {exc}", file=sys.stderr)
         return 1
@@ -76,12 +83,29 @@ def make_plan(model: Path, nodes: Any, args: argparse.Namespace) -> dict[str, An
     from dgr_wire.ranges import LayerRange
 
     from dgr_placement import planner
-    from dgr_placement.profile import WorkerOptions, probe, profile_model
+    from dgr_placement.profile import ProbeError, WorkerOptions, check_probe, probe, profile_model
 
+    unmeasured = [n for n in nodes.nodes if n.compute is None]
+    for n in unmeasured:  # before anything is timed: every node this machine cannot stand for
+        try:
+            check_probe(n.threads)
+        except ProbeError as exc:
+            raise ProbeError(f"node {n.name!r} has no compute: {exc}") from None
     manifest = stored_manifest(model)
     options = WorkerOptions(n_ctx=args.n_ctx, max_sessions=args.max_sessions)
     profile = profile_model(model, manifest, options)
-    computes = [n.compute or probe(model, n.threads) for n in nodes.nodes]
+    probed: dict[int, Any] = {}  # by threads: nodes alike are probed once
+    for n in unmeasured:
+        if n.threads not in probed:
+            print(
+                f"dgr plan: probing this machine's compute at {n.threads} thread(s) for "
+                f"{', '.join(m.name for m in unmeasured if m.threads == n.threads)} "
+                "(its engines, then a 2-stage route of real workers)",
+                file=sys.stderr,
+                flush=True,
+            )
+            probed[n.threads] = probe(model, n.threads)
+    computes = [n.compute or probed[n.threads] for n in nodes.nodes]
     margin = planner.DEFAULT_MARGIN if args.margin is None else args.margin
     problem = planner.Problem(profile, nodes, computes, args.wire_dtype, margin)
     plan = planner.plan(problem)

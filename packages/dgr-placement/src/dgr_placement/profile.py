@@ -176,8 +176,33 @@ def profile_model(model: Path, manifest: ArtifactManifest, options: WorkerOption
     )
 
 
+class ProbeError(ValueError):
+    """This machine cannot measure the compute asked for."""
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as taskset or a container sets it)."""
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def check_probe(threads: int) -> None:
+    """A probe at more threads than this machine's cores would time ggml's barriers spinning
+    against each other (minutes of it: a 2-core host at 4 threads), not the node."""
+    cores = usable_cores()
+    if threads < 1 or threads > cores:
+        raise ProbeError(
+            f"cannot probe {threads} threads on this machine's {cores} usable cores: run "
+            f"`dgr plan --probe-threads {threads} --model M` on the node itself and give its "
+            "`compute:` line in nodes.yaml"
+        )
+
+
 def probe(model: Path, threads: int, prompt: int = 32, decode: int = 24) -> Compute:
-    """The node's compute at `threads`: `probe_engines`, then the fixed cost of a stage."""
+    """The node's compute at `threads`: `probe_engines`, then the fixed cost of a stage.
+    ProbeError where this machine has fewer usable cores than `threads`."""
+    check_probe(threads)
     compute = probe_engines(model, threads, prompt, decode)
     return compute.model_copy(update={"stage_ms": probe_stage(model, threads, compute)})
 
