@@ -92,8 +92,10 @@ def test_chat_in_a_terminal(workers: list[WorkerProcess]) -> None:
             assert time.monotonic() < deadline, [w.sessions() for w in workers]
             time.sleep(0.1)
 
+        term.keys("/rest", "Enter")  # a mistyped command is said to be one, not sent
+        term.wait(lambda s: "(no command /rest: /reset starts over, /exit leaves)" in s)
         term.keys("Thank you!", "Enter")  # the conversation goes on
-        term.wait(lambda s: prompts(s) >= 4 and s.rstrip().endswith(">"))
+        term.wait(lambda s: prompts(s) >= 5 and s.rstrip().endswith(">"))
         term.keys("C-d")
         deadline = time.monotonic() + 10
         while not term.dead():

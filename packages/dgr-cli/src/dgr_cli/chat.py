@@ -12,6 +12,7 @@ the conversation with what was said so far; Ctrl-C at the prompt clears the line
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -42,6 +43,8 @@ class Conversation:
             self.turns.pop(0)
             dropped += 1
 
+
+COMMAND = re.compile(r"/[A-Za-z]+")  # /reset, /exit, /quit and the ones that do not exist
 
 def cmd_chat(args: argparse.Namespace) -> int:
     sampling = sampling_of(args)
@@ -74,6 +77,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if line.strip() == "/reset":
                 conversation.turns.clear()
                 print("(conversation cleared)", file=sys.stderr)
+                continue
+            if COMMAND.fullmatch(line.strip()):  # a lone /word: a command mistyped, not a message
+                print(
+                    f"(no command {line.strip()}: /reset starts over, /exit leaves)",
+                    file=sys.stderr,
+                )
                 continue
             if not line.strip():
                 continue
