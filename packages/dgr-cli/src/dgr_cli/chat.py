@@ -46,6 +46,7 @@ class Conversation:
 
 COMMAND = re.compile(r"/[A-Za-z]+")  # /reset, /exit, /quit and the ones that do not exist
 
+
 def cmd_chat(args: argparse.Namespace) -> int:
     sampling = sampling_of(args)
     if sampling is None:
