@@ -347,7 +347,8 @@ class Route:
         draft: Draft | None = None,
         prefix_reuse: bool = True,
     ) -> Route:
-        check_wire_dtype(wire_dtype)  # before connecting to anything
+        check_addresses(addresses)  # before connecting to anything
+        check_wire_dtype(wire_dtype)
         check_mode(mode)
         draft = draft or Draft()
         check_draft(draft, mode)
@@ -734,6 +735,22 @@ def fit_draft(draft: Draft, stages: list[Stage]) -> Draft:
         )
     limit = min(s.describe.max_rollback for s in stages)
     return replace(draft, max_draft=min(draft.max_draft, limit))
+
+
+def check_addresses(addresses: list[str]) -> None:
+    """A route is one or more stages, each HOST:PORT (a [v6] host in brackets) with a port in
+    1..65535, or unix:PATH. gRPC takes a port past 65535 modulo 2**16 and a bare name as
+    port 443: either would dial somewhere the caller did not name."""
+    if not addresses:
+        raise ValueError("a route needs at least one stage address (HOST:PORT)")
+    for i, address in enumerate(addresses):
+        if address.startswith("unix:") and len(address) > len("unix:"):
+            continue
+        host, _, port = address.rpartition(":")
+        if not host.strip("[]") or not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(
+                f"stage {i}: address {address!r} is not HOST:PORT with a port in 1..65535"
+            )
 
 
 def check_mode(mode: str) -> None:
