@@ -17,3 +17,28 @@ def test_the_cli_refuses_a_bad_option_before_it_connects(
     assert (
         "error: sampling top_k must be an integer in [0, 2**32), not -3" in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--port", "99999"], "argument --port: '99999' is not an integer in [1, 65535]"),
+        (["serve", "--max-active", "0"], "argument --max-active: '0' is not an integer in [1,"),
+        (["serve", "--max-queue", "-1"], "argument --max-queue: '-1' is not an integer in [0,"),
+        (["generate", "hi", "--max-tokens", "0"], "argument --max-tokens: '0' is not an integer"),
+        (["chat", "--max-tokens", "x"], "argument --max-tokens: 'x' is not an integer in [1,"),
+        (["generate", "hi", "--timeout", "nan"], "argument --timeout: 'nan' is not a finite"),
+        (["chat", "--timeout", "-1"], "argument --timeout: '-1' is not a finite number of seconds"),
+        (["generate", "hi", "--max-draft", "17"], "argument --max-draft: '17' is not an integer"),
+    ],
+)
+def test_an_option_out_of_its_range_is_a_usage_error(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused by the parser (exit 2), before a route is opened or a port bound: `dgr serve
+    --port 99999` was a traceback from bind(), --max-active 0 meant the default and --max-queue
+    -1 started a server."""
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--route", "127.0.0.1:9"])
+    assert done.value.code == 2
+    assert message in capsys.readouterr().err

@@ -19,7 +19,7 @@ from typing import Any
 from dgr_route.route import RouteError
 from dgr_route.tokenizer import TokenizerLike
 
-from dgr_cli.commands import add_route_options, open_client, sampling_of, stream_text
+from dgr_cli.commands import MAX_TOKENS, add_route_options, open_client, sampling_of, stream_text
 
 PROMPT = "> "
 
@@ -126,7 +126,7 @@ def register(sub: Any) -> None:
         "--model", help="a local GGUF for the tokenizer and template (default: the head worker's)"
     )
     p.add_argument("--system", help="a system message opening the conversation")
-    p.add_argument("--max-tokens", type=int, default=512, help="the longest reply")
+    p.add_argument("--max-tokens", type=MAX_TOKENS, default=512, help="the longest reply")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=0.0)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -194,11 +196,43 @@ def open_route(args: argparse.Namespace) -> Route | None:
         return None
 
 
+def integer(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi], or the option's error saying so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = lo - 1
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer in [{lo}, {hi}]")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds > 0")
+    return value
+
+
+MAX_TOKENS = integer(1, 2**31 - 1)
+
+
 def add_route_options(p: argparse.ArgumentParser) -> None:
     """--route, --timeout, --wire-dtype, --mode and the TLS/token options: how a client reaches and
     drives a route."""
     p.add_argument("--route", required=True, help="host:port,host:port,... in layer order")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds a stage may take per step")
+    p.add_argument(
+        "--timeout", type=seconds, default=60.0, help="seconds a stage may take per step"
+    )
     p.add_argument(
         "--wire-dtype",
         choices=["f32", "f16", "bf16"],
@@ -220,7 +254,9 @@ def add_route_options(p: argparse.ArgumentParser) -> None:
         "the text so far; mtp drafts with the model's MTP block at the tail (a tail started with "
         "--mtp). Drafts are verified through the route in one trip; output equals plain decode",
     )
-    p.add_argument("--max-draft", type=int, default=8, help="drafts per step at most (1-16)")
+    p.add_argument(
+        "--max-draft", type=integer(1, 16), default=8, help="drafts per step at most (1-16)"
+    )
     p.add_argument("--tls-ca", type=Path, help="PEM CA that signed the workers' certificates (TLS)")
     p.add_argument("--tls-cert", type=Path, help="PEM client certificate (workers requiring mTLS)")
     p.add_argument("--tls-key", type=Path, help="PEM key of the client certificate")
@@ -256,7 +292,7 @@ def register_generate(sub: Any) -> None:
     p.add_argument("prompt")
     add_route_options(p)
     p.add_argument("--model", help="a local GGUF for the tokenizer (default: the head worker's)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=MAX_TOKENS, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=0.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dgr_cli.commands import add_route_options, model_arg, open_client
+from dgr_cli.commands import add_route_options, integer, model_arg, open_client
 
 
 def register(sub: Any) -> None:
@@ -16,14 +16,17 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--model-name", help="the id /v1/models reports")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=integer(1, 65535), default=8000)
     p.add_argument(
         "--max-active",
-        type=int,
+        type=integer(1, 65536),
         help="requests generating at once (default: the route's session slots)",
     )
     p.add_argument(
-        "--max-queue", type=int, default=16, help="requests that may wait; more get HTTP 429"
+        "--max-queue",
+        type=integer(0, 2**20),
+        default=16,
+        help="requests that may wait; more get HTTP 429",
     )
     p.set_defaults(func=cmd_serve)
 

@@ -29,6 +29,8 @@ class Admission:
     """At most `limit` generations at once and `queue` more waiting; beyond that, Full."""
 
     def __init__(self, limit: int, queue: int) -> None:
+        if limit < 1 or queue < 0:
+            raise ValueError(f"admission needs limit >= 1 and queue >= 0, not {limit} and {queue}")
         self.limit, self.queue = limit, queue
         self.running = 0
         self._waiters: deque[asyncio.Future[None]] = deque()

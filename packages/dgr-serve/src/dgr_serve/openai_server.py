@@ -284,9 +284,8 @@ def create_app(
 ) -> FastAPI:
     app = FastAPI(title="DGR", description="OpenAI-compatible API over a DGR route")
     n_ctx = min(s.describe.n_ctx for s in route.stages)
-    admission = Admission(
-        max_active or min(s.describe.max_sessions for s in route.stages), max_queue
-    )
+    slots = min(s.describe.max_sessions for s in route.stages)
+    admission = Admission(slots if max_active is None else max_active, max_queue)
     metrics = ServeMetrics(lambda: admission.running, lambda: admission.waiting)
 
     @app.exception_handler(OpenAIError)
