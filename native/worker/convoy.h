@@ -15,6 +15,11 @@
 // the ring's compute is what a convoy would batch. Sessions go apart where the links' part (the
 // least over the recent steps: a late token is no shorter link) exceeds kLinkShare of the
 // ring's compute (their median), and travel as a convoy until kMinSteps steps were seen.
+//
+// The rule cannot see how many stages share one host's cores. Where that decides (8 sessions at
+// 2 threads on 2 cores behind 10 ms links; 1 thread on loopback) the ways measured within the
+// VM's drift of each other; a rule that timed both ways chose on that noise and lost 15% on
+// loopback (log/architecture-history.md, "Convoy or apart").
 #pragma once
 
 #include <array>
