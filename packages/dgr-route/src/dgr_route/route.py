@@ -447,7 +447,7 @@ class Route:
         caches on these stages are closed when the generator ends, or when the route closes.
         An empty history or a negative max_tokens is a ValueError, raised here (no stage could
         answer a prefill of nothing: the coordinator would wait for a token that never comes)."""
-        if not history:
+        if len(history) == 0:  # a list, or an array of token ids
             raise ValueError("the prompt is empty: a generation starts from at least one token")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, not {max_tokens}")
