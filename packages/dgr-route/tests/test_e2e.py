@@ -379,6 +379,29 @@ def test_cli_generate_streams_through_a_route(
     assert "error: the prompt is empty: it encodes to no tokens" in empty.stderr
 
 
+def test_cli_refuses_a_local_tokenizer_of_another_model(
+    workers: dict[tuple[int, int], WorkerProcess], smollm2: Path, quick_twin: Path
+) -> None:
+    """--model names the GGUF whose vocabulary tokenizes the prompt: another model's would
+    tokenize every prompt wrong without a word, so it is refused by fingerprint."""
+    route = ",".join(workers[r].address for r in LAYOUTS[2])
+    other = subprocess.run(
+        ["dgr", "generate", "--route", route, "--model", str(quick_twin), "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert other.returncode == 1, other
+    assert f"error: --model {quick_twin} is not the route's model" in other.stderr
+    same = subprocess.run(
+        ["dgr", "generate", "--route", route, "--model", str(smollm2), "--max-tokens", "4", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert same.returncode == 0, same
+
+
 def test_an_abandoned_stream_frees_its_session(
     workers: dict[tuple[int, int], WorkerProcess],
 ) -> None:

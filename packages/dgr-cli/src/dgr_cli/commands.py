@@ -83,12 +83,36 @@ def open_client(args: argparse.Namespace) -> tuple[Route, TokenizerLike] | None:
     route = open_route(args)
     if route is None:
         return None
+    local = args.model and model_arg(args.model)
+    if local and (why := not_the_routes_model(local, route)):
+        print(f"error: {why}", file=sys.stderr)
+        route.close()
+        return None
     try:
-        return route, tokenizer_for(args.model and model_arg(args.model), route)
+        return route, tokenizer_for(local, route)
     except TokenizerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         route.close()
         return None
+
+
+def not_the_routes_model(model: Path, route: Route) -> str | None:
+    """Why a local GGUF's vocabulary cannot stand for the route's (another model: every prompt
+    would be tokenized wrong, silently), or None. A head started without the fingerprint (a bare
+    dgr-shard-worker) cannot be checked against."""
+    from dgr_artifacts.identity import stored_fingerprint
+
+    head = route.stages[0]
+    want = head.describe.compatibility.model_fingerprint
+    if not want:
+        return None
+    got = stored_fingerprint(model)
+    if got == want:
+        return None
+    return (
+        f"--model {model} is not the route's model: its fingerprint is {got[:16]}, the head "
+        f"({head.address}) serves {want[:16]}"
+    )
 
 
 def sampling_of(args: argparse.Namespace) -> Sampling | None:
