@@ -393,6 +393,14 @@ def test_cli_refuses_a_local_tokenizer_of_another_model(
     )
     assert other.returncode == 1, other
     assert f"error: --model {quick_twin} is not the route's model" in other.stderr
+    missing = subprocess.run(
+        ["dgr", "generate", "--route", route, "--model", "/nonexistent.gguf", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr, missing
+    assert "error: --model: /nonexistent.gguf: file does not exist" in missing.stderr
     same = subprocess.run(
         ["dgr", "generate", "--route", route, "--model", str(smollm2), "--max-tokens", "4", "hi"],
         capture_output=True,

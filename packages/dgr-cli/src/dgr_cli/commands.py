@@ -97,17 +97,19 @@ def open_client(args: argparse.Namespace) -> tuple[Route, TokenizerLike] | None:
 
 
 def not_the_routes_model(model: Path, route: Route) -> str | None:
-    """Why a local GGUF's vocabulary cannot stand for the route's (another model: every prompt
-    would be tokenized wrong, silently), or None. A head started without the fingerprint (a bare
-    dgr-shard-worker) cannot be checked against."""
+    """Why a local GGUF's vocabulary cannot stand for the route's (no GGUF, or another model:
+    every prompt would be tokenized wrong, silently), or None. A head started without the
+    fingerprint (a bare dgr-shard-worker) cannot be checked against."""
+    from dgr_artifacts.errors import ArtifactError
     from dgr_artifacts.identity import stored_fingerprint
 
+    try:
+        got = stored_fingerprint(model)
+    except (ArtifactError, OSError) as exc:
+        return f"--model: {exc}"
     head = route.stages[0]
     want = head.describe.compatibility.model_fingerprint
-    if not want:
-        return None
-    got = stored_fingerprint(model)
-    if got == want:
+    if not want or got == want:
         return None
     return (
         f"--model {model} is not the route's model: its fingerprint is {got[:16]}, the head "
