@@ -20,7 +20,11 @@ def run_demo(args: argparse.Namespace) -> int:
     from dgr_artifacts.models import MODELS, model_path
     from dgr_route.local import Chain, even_layout
 
-    model = model_path(args.model)
+    try:
+        model = model_path(args.model)
+    except KeyError as exc:  # its message names the models there are
+        print(f"dgr demo: {exc.args[0]}", file=sys.stderr)
+        return 2
     if args.model not in MODELS:
         print(
             f"{args.model} is a generated twin with random weights: its text means nothing, the "

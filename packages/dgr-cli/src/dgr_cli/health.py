@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from dgr_route.route import check_addresses
 from dgr_route.security import Security
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def cmd_health(args: argparse.Namespace) -> int:
     try:
+        check_addresses([args.address])
         security = Security.from_files(args.tls_ca, args.tls_cert, args.tls_key, None)
     except (ValueError, OSError) as exc:
         print(f"dgr health: {exc}", file=sys.stderr)

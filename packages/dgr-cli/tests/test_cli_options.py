@@ -1,5 +1,6 @@
-"""`dgr generate` and `dgr chat` check their sampling options (dgr_route.route.Sampling's ranges)
-before they open the route: an error that names the option, exit 2, and no connection made."""
+"""The `dgr` commands check their options before they connect or bind anything: sampling
+(dgr_route.route.Sampling's ranges), ports, counts, seconds, addresses, model names. An error
+that names the option, exit 2, and no connection made."""
 
 from __future__ import annotations
 
@@ -42,3 +43,15 @@ def test_an_option_out_of_its_range_is_a_usage_error(
         main([*argv, "--route", "127.0.0.1:9"])
     assert done.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_health_and_demo_name_what_is_wrong(capsys: pytest.CaptureFixture[str]) -> None:
+    """`dgr health 127.0.0.1:99999` dialled port 34463 (gRPC's modulo); `dgr demo --model nope`
+    was a KeyError traceback."""
+    assert main(["health", "127.0.0.1:99999"]) == 2
+    assert "dgr health: stage 0: address '127.0.0.1:99999' is not HOST:PORT" in (
+        capsys.readouterr().err
+    )
+    assert main(["demo", "--model", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "dgr demo: unknown model 'nope': known are " in err and "smollm2-135m-q4_1" in err
