@@ -98,6 +98,25 @@ def test_forward_mode_stops_at_stop_ids_and_max_tokens(
     route.close()
 
 
+@pytest.mark.parametrize("mode", ["forward", "relay"])
+def test_a_generation_ends_where_the_context_does(
+    workers: dict[tuple[int, int], WorkerProcess], mode: str
+) -> None:
+    """The stages hold 512 tokens a session: a 500-token prompt leaves room for 12 fed back, so
+    13 tokens come (the last is not fed back) and the generation ends as at max_tokens, with no
+    capacity error; a prompt over the context is refused before a stage is asked."""
+    route = route_of(workers, LAYOUTS[2], mode=mode)
+    long = [1000 + (i * 7) % 5000 for i in range(500)]
+    assert len(list(route.generate(long, 100))) == 13
+    assert len(list(route.generate(long + long[:12], 100))) == 1  # 512: one token, none fed back
+    with pytest.raises(
+        ValueError, match="the prompt is 513 tokens, over the route's context of 512"
+    ):
+        list(route.generate(long + long[:13], 4))
+    assert len(list(route.generate(long[:100], 5))) == 5  # and it goes on serving
+    route.close()
+
+
 def test_long_prompt_is_chunked(
     workers: dict[tuple[int, int], WorkerProcess], smollm2: Path, descriptor: list[str]
 ) -> None:

@@ -446,11 +446,20 @@ class Route:
         prefill_plan) from n_past 0, then decode; each result is the next token. The session's
         caches on these stages are closed when the generator ends, or when the route closes.
         An empty history or a negative max_tokens is a ValueError, raised here (no stage could
-        answer a prefill of nothing: the coordinator would wait for a token that never comes)."""
+        answer a prefill of nothing: the coordinator would wait for a token that never comes), and
+        so is a history longer than the route's context. A generation ends where the context does,
+        as at max_tokens: the history and every token fed back fill it (the last token sampled is
+        not fed back), instead of failing there with the stages' capacity error."""
         if len(history) == 0:  # a list, or an array of token ids
             raise ValueError("the prompt is empty: a generation starts from at least one token")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, not {max_tokens}")
+        n_ctx = min(s.describe.n_ctx for s in self.stages)
+        if len(history) > n_ctx:
+            raise ValueError(
+                f"the prompt is {len(history)} tokens, over the route's context of {n_ctx}"
+            )
+        max_tokens = min(max_tokens, n_ctx - len(history) + 1)
         generation = self._generation(
             session, epoch, history, max_tokens, sampling, stop, prompt_len, usage
         )
