@@ -339,15 +339,20 @@ def test_a_worker_killed_or_hung_mid_generation_is_named(
 def test_a_refusal_down_the_route_names_that_stage(
     smollm2: Path, descriptor: list[str], workers: dict[tuple[int, int], WorkerProcess]
 ) -> None:
-    small_tail = start_worker(smollm2, 20, 30, descriptor=descriptor, n_ctx=64)
+    # the tail holds one session where the stages before it hold four: a second generation
+    # while the first is open is refused there (the coordinator cannot know it beforehand)
+    small_tail = start_worker(smollm2, 20, 30, descriptor=descriptor, n_ctx=512, max_sessions=1)
     try:
         addresses = [workers[(0, 10)].address, workers[(10, 20)].address, small_tail.address]
         route = Route.open(addresses, timeout=30)
+        first = route.generate(list(range(1000, 1010)), 64)
+        next(first)
         with pytest.raises(RouteError) as info:
-            list(route.generate(list(range(1000, 1100)), 4))  # 100 tokens, the tail has 64
+            list(route.generate(list(range(2000, 2010)), 4))
         assert info.value.stage == 2 and info.value.address == small_tail.address
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "n_ctx" in info.value.what
+        assert "all 1 session slots are in use" in info.value.what
+        first.close()
         route.close()
         for address in addresses:
             wait_idle(address)
