@@ -55,7 +55,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if client is None:
         return 1
     route, tokenizer = client
-    n_ctx = min(s.describe.n_ctx for s in route.stages)
+    n_ctx = route.n_ctx
     conversation = Conversation(tokenizer, n_ctx, args.system)
     out = sys.stdout
     print(

@@ -91,7 +91,6 @@ class Stage:
 
 
 FLOAT32_MAX = 3.4028234663852886e38
-FINITE = "a finite number >= 0"
 
 
 @dataclass
@@ -106,7 +105,12 @@ class Sampling:
         """The wire's ranges (float32, uint32, uint64), checked where the caller made the value:
         a bad one is a ValueError naming it, before any stage is asked (the tail checks again)."""
         checks = (
-            ("temperature", self.temperature, 0 <= self.temperature <= FLOAT32_MAX, FINITE),
+            (
+                "temperature",
+                self.temperature,
+                0 <= self.temperature <= FLOAT32_MAX,
+                "a finite number >= 0",
+            ),
             ("top_k", self.top_k, 0 <= self.top_k < 2**32, "an integer in [0, 2**32)"),
             ("top_p", self.top_p, 0 <= self.top_p <= 1, "a number in [0, 1]"),
             ("seed", self.seed, 0 <= self.seed < 2**64, "an integer in [0, 2**64)"),
@@ -319,6 +323,11 @@ class Route:
         OPEN_ROUTES.add(self)
 
     @property
+    def n_ctx(self) -> int:
+        """Tokens a session may hold on this route: the least of its stages' contexts."""
+        return min(s.describe.n_ctx for s in self.stages)
+
+    @property
     def reuses(self) -> bool:
         """Whether generations start from what earlier ones left: asked for (prefix_reuse), every
         stage keeps finished sessions (Describe), and no drafting (prompt lookup drafts from
@@ -454,7 +463,7 @@ class Route:
             raise ValueError("the prompt is empty: a generation starts from at least one token")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, not {max_tokens}")
-        n_ctx = min(s.describe.n_ctx for s in self.stages)
+        n_ctx = self.n_ctx
         if len(history) > n_ctx:
             raise ValueError(
                 f"the prompt is {len(history)} tokens, over the route's context of {n_ctx}"

@@ -283,7 +283,7 @@ def create_app(
     max_queue: int = 16,
 ) -> FastAPI:
     app = FastAPI(title="DGR", description="OpenAI-compatible API over a DGR route")
-    n_ctx = min(s.describe.n_ctx for s in route.stages)
+    n_ctx = route.n_ctx
     slots = min(s.describe.max_sessions for s in route.stages)
     admission = Admission(slots if max_active is None else max_active, max_queue)
     metrics = ServeMetrics(lambda: admission.running, lambda: admission.waiting)
