@@ -327,7 +327,7 @@ bool HeadSession::Coalescer::add(dgr::v1::ForwardReply && reply, bool last) {
         reply_.set_drafted(reply_.drafted() + reply.drafted());
         reply_.set_accepted(reply_.accepted() + reply.accepted());
     }
-    return last || std::chrono::steady_clock::now() - sent_ >= interval_;
+    return last || !sent_ || std::chrono::steady_clock::now() - *sent_ >= interval_;
 }
 
 dgr::v1::ForwardReply HeadSession::Coalescer::take() {

@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -147,7 +148,9 @@ private:
 
     private:
         std::chrono::milliseconds interval_;
-        std::chrono::steady_clock::time_point sent_{};  // the epoch: the first token is due at once
+        // when the last reply went out; none yet: the first is due at once (not "interval since the
+        // clock's epoch", which on a steady clock is the host's boot and may be less than interval ago)
+        std::optional<std::chrono::steady_clock::time_point> sent_;
         dgr::v1::ForwardReply reply_;
         bool pending_ = false;
     } out_;
