@@ -122,6 +122,28 @@ TEST_CASE("options: the token file's token, its line end stripped, and an empty 
     std::remove(path.c_str());
 }
 
+TEST_CASE("options: a certificate, key or CA file that is not PEM is refused naming the option") {
+    const std::string path = std::string(std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") + "/dgr-options-pem";
+    {
+        std::ofstream(path) << "not a certificate\n";
+    }
+    for (const char * option : {"--tls-cert", "--peer-ca"}) {
+        WorkerOptions o;
+        std::string err;
+        std::vector<std::string> args = {"--model", "m", option, path};
+        if (std::string(option) == "--tls-cert") args.insert(args.end(), {"--tls-key", path});
+        CHECK(parse(args, o, nullptr, &err) == 2);
+        CHECK(err.find(std::string(option) + ": " + path + " is not PEM") != std::string::npos);
+    }
+    {
+        std::ofstream(path) << "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+    }
+    WorkerOptions o;
+    REQUIRE(parse({"--model", "m", "--peer-ca", path}, o) == -1);
+    CHECK(o.peer_ca.find("-----BEGIN CERTIFICATE-----") == 0);
+    std::remove(path.c_str());
+}
+
 TEST_CASE("options: --help and --version exit 0") {
     WorkerOptions o;
     std::string out;

@@ -262,7 +262,7 @@ int serve(Args & args) {
                                             [&service](grpc::ServerContext * ctx) { return service.authorize(ctx); });
     builder.RegisterService(&tokenizer);
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-    if (!server || port == 0) fail(4, "cannot listen on " + args.listen);
+    if (!server || port == 0) fail(4, "cannot listen on " + args.listen + " (in use, not this host's, or TLS credentials gRPC refused: its error above says which)");
     if (listener) listener->start(server.get(), [&service](std::shared_ptr<dgr::worker::FrameConn> conn) { service.serve_data(conn); });
     server->GetHealthCheckService()->SetServingStatus(true);
     // the launcher reads this line to learn the port (and that the model is loaded and warm)

@@ -25,6 +25,16 @@ std::string read_text(const std::string & path, const std::string & option) {
     return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
+// A certificate, key or CA file: gRPC would refuse one that is not PEM only when the server starts
+// (then reported as "cannot listen") or at a peer link's first handshake.
+std::string read_pem(const std::string & path, const std::string & option) {
+    std::string text = read_text(path, option);
+    if (text.find("-----BEGIN ") == std::string::npos) {
+        throw std::invalid_argument(option + ": " + path + " is not PEM (no -----BEGIN line)");
+    }
+    return text;
+}
+
 int to_int(const std::string & option, const std::string & value, int lo, int hi) {
     size_t used = 0;
     long v = 0;
@@ -256,10 +266,10 @@ void read_files(WorkerOptions & o) {
         if (token.empty()) throw std::invalid_argument("--auth-token-file: the file holds no token");
         o.service.token = token;
     }
-    if (!o.tls_cert_file.empty()) o.tls_cert = read_text(o.tls_cert_file, "--tls-cert");
-    if (!o.tls_key_file.empty()) o.tls_key = read_text(o.tls_key_file, "--tls-key");
-    if (!o.tls_client_ca_file.empty()) o.tls_client_ca = read_text(o.tls_client_ca_file, "--tls-client-ca");
-    if (!o.peer_ca_file.empty()) o.peer_ca = read_text(o.peer_ca_file, "--peer-ca");
+    if (!o.tls_cert_file.empty()) o.tls_cert = read_pem(o.tls_cert_file, "--tls-cert");
+    if (!o.tls_key_file.empty()) o.tls_key = read_pem(o.tls_key_file, "--tls-key");
+    if (!o.tls_client_ca_file.empty()) o.tls_client_ca = read_pem(o.tls_client_ca_file, "--tls-client-ca");
+    if (!o.peer_ca_file.empty()) o.peer_ca = read_pem(o.peer_ca_file, "--peer-ca");
 }
 
 int parse_options(int argc, const char * const * argv, WorkerOptions & o, bool read) {

@@ -24,6 +24,8 @@ def dgr(*args: str) -> subprocess.CompletedProcess[str]:
         (["--rounds", "-1"], "--rounds must be at least 1"),
         (["--stages", "0"], "--stages and --threads take positive counts"),
         (["--model", "/nonexistent.gguf"], "no model at /nonexistent.gguf"),
+        # refused before any timing: it timed the engine, skipped the row and exited 0
+        (["--stages", "3", "31"], "--stages 31 is more than the model's 30 layers"),
     ],
 )
 def test_refuses_what_it_cannot_time(args: list[str], message: str) -> None:

@@ -4,6 +4,8 @@ that names the option, exit 2, and no connection made."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from dgr_cli import main
 
@@ -55,3 +57,42 @@ def test_health_and_demo_name_what_is_wrong(capsys: pytest.CaptureFixture[str]) 
     assert main(["demo", "--model", "nope"]) == 2
     err = capsys.readouterr().err
     assert "dgr demo: unknown model 'nope': known are " in err and "smollm2-135m-q4_1" in err
+
+
+def test_demo_refuses_counts_it_cannot_run(capfd: pytest.CaptureFixture[str]) -> None:
+    """--stages 0 was a ZeroDivisionError, --stages 99 a traceback from the 31st worker's
+    refusal of [0, 0), --max-tokens -3 a ValueError: now usage errors before any worker starts."""
+    for argv, message in [
+        (["--stages", "0"], "argument --stages: '0' is not an integer in [1, 256]"),
+        (["--max-tokens", "-3"], "argument --max-tokens: '-3' is not an integer in [1,"),
+    ]:
+        with pytest.raises(SystemExit) as done:
+            main(["demo", *argv])
+        assert done.value.code == 2 and message in capfd.readouterr().err
+    assert main(["demo", "--stages", "31"]) == 2  # the model has 30 layers: one each at most
+    assert "dgr demo: --stages 31 is more than the model's 30 layers" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("option", "content", "message"),
+    [
+        ("--tls-ca", None, "error: the TLS CA {path}: No such file or directory"),
+        ("--tls-ca", b"", "error: the TLS CA {path}: the file is empty"),
+        ("--tls-ca", b"garbage\n", "error: the TLS CA {path}: not PEM (no -----BEGIN line)"),
+        ("--auth-token-file", b"\xff\xfe", "error: the bearer token file {path}: not UTF-8 text"),
+    ],
+)
+def test_a_credential_file_that_cannot_serve_is_named_before_connecting(
+    option: str,
+    content: bytes | None,
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A missing --tls-ca was a FileNotFoundError traceback; one that is not PEM reached gRPC,
+    which said only "Failed to create security handshaker" on the first call."""
+    path = tmp_path / "file"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["generate", "--route", "127.0.0.1:9", option, str(path), "hi"]) == 1
+    assert capsys.readouterr().err == message.format(path=path) + "\n"

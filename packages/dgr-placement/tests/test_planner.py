@@ -191,6 +191,22 @@ def test_bad_nodes_are_refused_by_name() -> None:
         Node.model_validate({**node, "compute": {"ms_per_layer": float("nan")}})
 
 
+def test_a_nodes_file_that_is_not_yaml_is_named(
+    smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a yaml.ScannerError traceback."""
+    from dgr_cli import main
+
+    path = tmp_path / "nodes.yaml"
+    path.write_text("nodes: [\n", encoding="utf-8")
+    assert main(["plan", "--nodes", str(path), "--model", str(smollm2)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"dgr plan: {path}: not YAML: expected the node content, but found '<stream end>' at "
+        "line 2, column 1\n"
+    ), err
+
+
 @pytest.fixture(scope="module")
 def real_profile(smollm2: Path) -> ModelProfile:
     return profile_model(smollm2, build_manifest(smollm2), WorkerOptions(n_ctx=256, max_sessions=2))
@@ -314,6 +330,7 @@ def test_dgr_plan_prints_the_plan_and_writes_a_recipe(smollm2: Path, tmp_path: P
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.fleet  # dgr plan measures a worker's overhead where no earlier run stored it
 def test_the_documented_nodes_file_plans(smollm2: Path, tmp_path: Path) -> None:
     """docs/usage.md's nodes.yaml, at `dgr plan`'s defaults (n_ctx 2048, 4 sessions), fits:
     node b's compute given (it would be probed here) so that only the memory model decides."""

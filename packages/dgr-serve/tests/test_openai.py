@@ -325,6 +325,20 @@ def test_openai_errors(client: openai.OpenAI, base: str) -> None:
             assert "outside the vocabulary of 49152 tokens" in error["message"], error
         elif param in ("temperature", "top_p"):
             assert "finite number" in error["message"], error
+    parts = [  # what is wrong, not pydantic's "content.str: Input should be a valid string"
+        ([{"type": "image_url", "image_url": {"url": "x"}}], "content part 0 is 'image_url': only "
+         "text parts are supported"),
+        ([{"type": "text"}], "content part 0: a text part needs its text as a string"),
+        ([{"type": "text", "text": "a", "x": 1}], "content part 0: unrecognized field(s) x"),
+        (5, "content is int: a string or a list of parts"),
+    ]  # fmt: skip
+    for content, message in parts:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+        r = httpx.post(f"{base}/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "messages.0.content", error
+        assert error["message"] == f"messages.0.content: {message}", error
     r = httpx.post(
         f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
     )

@@ -29,6 +29,17 @@ def layer_range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not FIRST:LAST, e.g. 10:20") from None
 
 
+def chunk_size(text: str) -> int:
+    """argparse type for --chunk-size: a whole number of bytes, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes >= 1")
+    return value
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     model = open_model(args.gguf)
     info: dict[str, Any] = {
@@ -50,8 +61,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_manifest(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise ArtifactError(out, "its directory does not exist")
     manifest = build_manifest(Path(args.gguf), args.chunk_size)
-    write_manifest(manifest, Path(args.out))
+    write_manifest(manifest, out)
     print(
         f"manifest of {len(manifest.files)} file(s), {len(manifest.tensors)} tensors, "
         f"fingerprint {manifest.model_fingerprint} -> {args.out}"
@@ -122,7 +136,7 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     try:
         code: int = args.artifacts_func(args)
-    except ArtifactError as exc:
+    except (ArtifactError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return code
@@ -142,7 +156,7 @@ def register(sub: Any) -> None:
     p = cmds.add_parser("manifest", help="write the hashed manifest of a (split) model")
     p.add_argument("gguf")
     p.add_argument("--out", required=True)
-    p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK)
+    p.add_argument("--chunk-size", type=chunk_size, default=DEFAULT_CHUNK)
     p.set_defaults(artifacts_func=cmd_manifest)
     p = cmds.add_parser("verify", help="resumable chunked verification against a manifest")
     p.add_argument("manifest")

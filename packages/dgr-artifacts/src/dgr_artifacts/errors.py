@@ -40,6 +40,10 @@ class HashMismatch(ArtifactError):
     pass
 
 
+class ManifestError(ArtifactError):
+    """A manifest file that is missing, unreadable or not a DGR artifact manifest."""
+
+
 class LayerRangeError(ArtifactError):
     pass
 

@@ -109,6 +109,8 @@ def verify(
     fresh: bool = False,
 ) -> VerifyReport:
     """Verify every file of the manifest under `model_dir`; resume from saved state."""
+    if not model_dir.is_dir():
+        raise ArtifactError(model_dir, "no such model directory")
     state_dir = state_dir or model_dir / ".dgr-verify"
     try:
         state_dir.mkdir(parents=True, exist_ok=True)

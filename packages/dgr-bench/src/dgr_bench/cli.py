@@ -107,15 +107,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         engine = module.Engine(str(model), 0, -1, n_threads=threads, n_ctx=n_ctx, max_sessions=1)
         info = engine.describe()
         n_layer, n_vocab = int(info["n_layer"]), int(info["n_vocab"])
+        if max(args.stages) > n_layer:
+            print(
+                f"dgr bench: --stages {max(args.stages)} is more than the model's {n_layer} layers",
+                file=sys.stderr,
+            )
+            return 2
         prompt = prompt_ids(args.prompt_tokens, n_vocab)
         rows = {
             "engine in one process": time_engine(engine, prompt, args.decode_tokens, args.rounds)
         }
         del engine
         for stages in args.stages:
-            if stages > n_layer:
-                print(f"dgr bench: {stages} stages is more than the model's {n_layer} layers")
-                continue
             name = f"DGR {args.mode} {stages} stage{'s' if stages > 1 else ''}"
             rows[name] = time_stages(model, n_layer, stages, threads, args, prompt)
         by_threads[str(threads)] = summarize(rows)

@@ -13,6 +13,7 @@ from dgr_route.route import Route
 from dgr_route.text import Detokenizer
 from dgr_route.tokenizer import Tokenizer
 
+from dgr_cli.commands import MAX_TOKENS, integer
 from dgr_cli.workers import descriptor_args, start_worker
 
 
@@ -33,6 +34,12 @@ def run_demo(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer(model)
     whole = Chain(model, [(0, -1)])
     n_layer = int(whole.engines[0].describe()["n_layer"])
+    if args.stages > n_layer:
+        print(
+            f"dgr demo: --stages {args.stages} is more than the model's {n_layer} layers",
+            file=sys.stderr,
+        )
+        return 2
     layout = even_layout(n_layer, args.stages)
     descriptor = descriptor_args(model)
     t0 = time.perf_counter()
@@ -97,10 +104,10 @@ def run_demo(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="3 local workers on the default model, generate, check")
     p.add_argument("--model", default="smollm2-135m-q4_1")
-    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--stages", type=integer(1, 256), default=3)
     p.add_argument("--wire-dtype", choices=["f32", "f16", "bf16"], default="f32")
     p.add_argument("--mode", choices=["forward", "relay"], default="forward")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=MAX_TOKENS, default=48)
     p.add_argument(
         "--prompt", default="Three reasons to split a language model across several machines are"
     )

@@ -97,7 +97,15 @@ class NodesFile(_Strict):
 
 
 def load_nodes(path: Path) -> NodesFile:
-    return NodesFile.model_validate(yaml.safe_load(path.read_text(encoding="utf-8")))
+    """The nodes file at `path`; ValueError (a pydantic ValidationError among them) or OSError
+    says what is wrong with it."""
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"not YAML: {getattr(exc, 'problem', None) or exc}{where}") from None
+    return NodesFile.model_validate(document)
 
 
 def schema_models() -> dict[str, type[BaseModel]]:

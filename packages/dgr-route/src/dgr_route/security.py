@@ -47,13 +47,21 @@ class Security:
         key: Path | None = None,
         token_file: Path | None = None,
     ) -> Security:
-        token = token_file.read_text(encoding="utf-8").strip() if token_file else None
-        if token_file and not token:
-            raise ValueError(f"{token_file}: the file holds no token")
+        """Read the files given; ValueError names the one that cannot be read or is empty."""
+        token = None
+        if token_file:
+            try:
+                token = (
+                    _read(token_file, "the bearer token file", pem=False).decode("utf-8").strip()
+                )
+            except UnicodeDecodeError:
+                raise ValueError(f"the bearer token file {token_file}: not UTF-8 text") from None
+            if not token:
+                raise ValueError(f"{token_file}: the file holds no token")
         return cls(
-            ca=ca.read_bytes() if ca else None,
-            cert=cert.read_bytes() if cert else None,
-            key=key.read_bytes() if key else None,
+            ca=_read(ca, "the TLS CA") if ca else None,
+            cert=_read(cert, "the client certificate") if cert else None,
+            key=_read(key, "the client key") if key else None,
             token=token,
         )
 
@@ -86,6 +94,19 @@ class Security:
 
 class CleartextCredential(ValueError):
     """A credential would cross a plaintext link off this host."""
+
+
+def _read(path: Path, what: str, pem: bool = True) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{what} {path}: {exc.strerror or exc}") from None
+    if pem and not data.strip():
+        raise ValueError(f"{what} {path}: the file is empty")
+    if pem and b"-----BEGIN " not in data:
+        # gRPC would only say "Failed to create security handshaker" on the first call
+        raise ValueError(f"{what} {path}: not PEM (no -----BEGIN line)")
+    return data
 
 
 def loopback_address(address: str) -> bool:

@@ -48,7 +48,7 @@ from dgr_wire.codec import decode_logits
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -197,6 +197,24 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart]
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def text_parts_only(cls, value: Any) -> Any:
+        # named here: pydantic's own message for the union names its str branch instead
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"content is {type(value).__name__}: a string or a list of parts")
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"content part {i} is {kind!r}: only text parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i}: a text part needs its text as a string")
+            if extra := sorted(set(part) - {"type", "text"}):
+                raise ValueError(f"content part {i}: unrecognized field(s) {', '.join(extra)}")
+        return value
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
@@ -303,7 +321,8 @@ def create_app(
             param = None  # its loc is a character offset, not a field
             message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
         else:
-            message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc)
+            what = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+            message = f"{param}: {what}" if param else str(exc)
         return OpenAIError(400, message, param=param).response()
 
     @app.exception_handler(Exception)
