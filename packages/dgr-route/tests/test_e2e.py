@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from dgr.v1 import shard_pb2 as pb
 from dgr.v1 import shard_pb2_grpc as pb_grpc
 from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_prd.native_pin import llama_pin, patch_stack_hash
 from dgr_prd.paths import find_root
-from dgr_route.route import Route, RouteError
+from dgr_route.route import OPEN_ROUTES, Route, RouteError
 from dgr_wire.codec import FNV_OFFSET, encode
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -93,9 +94,17 @@ def test_forward_mode_stops_at_stop_ids_and_max_tokens(
         list(route.generate([], 5))
     with pytest.raises(ValueError, match="max_tokens must be >= 0, not -1"):
         list(route.generate(prompt, -1))
+    for bad, what in [(1.5, "1.5"), ("a", "'a'"), (True, "True")]:
+        with pytest.raises(ValueError, match=f"token 1 of the prompt is {what}: token ids are"):
+            list(route.generate([prompt[0], bad], 5))  # type: ignore[list-item]
     assert time.monotonic() - started < 1.0
     assert list(route.generate(prompt, 5)) == expected[:5]
     route.close()
+    # a numpy prompt, as Chain takes one (it failed adding the generated tokens to it), and the
+    # route as a context manager: closed on leaving the block
+    with route_of(workers, LAYOUTS[3]) as route:
+        assert list(route.generate(np.asarray(prompt, dtype=np.int64), 5)) == expected[:5]
+    assert route not in OPEN_ROUTES
 
 
 @pytest.mark.parametrize("mode", ["forward", "relay"])

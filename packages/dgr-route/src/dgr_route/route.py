@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import numbers
 import queue
 import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -395,6 +396,12 @@ class Route:
             prefix_reuse,
         )
 
+    def __enter__(self) -> Route:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """End the route's generations still open (each frees its session on the stages, as it
         does when it runs out), then its channels. A generation running in another thread at
@@ -459,7 +466,8 @@ class Route:
         so is a history longer than the route's context. A generation ends where the context does,
         as at max_tokens: the history and every token fed back fill it (the last token sampled is
         not fed back), instead of failing there with the stages' capacity error."""
-        if len(history) == 0:  # a list, or an array of token ids
+        history = token_ids(history)  # a list, or an array of token ids
+        if len(history) == 0:
             raise ValueError("the prompt is empty: a generation starts from at least one token")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, not {max_tokens}")
@@ -753,6 +761,17 @@ def fit_draft(draft: Draft, stages: list[Stage]) -> Draft:
         )
     limit = min(s.describe.max_rollback for s in stages)
     return replace(draft, max_draft=min(draft.max_draft, limit))
+
+
+def token_ids(values: Iterable[Any]) -> list[int]:
+    """`values` as a list of ints (numpy integers included), or ValueError naming the first that
+    is not an integer: a float or a string would otherwise fail deep in the wire codec."""
+    ids: list[int] = []
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"token {i} of the prompt is {value!r}: token ids are integers")
+        ids.append(int(value))
+    return ids
 
 
 def check_addresses(addresses: list[str]) -> None:
