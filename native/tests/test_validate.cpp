@@ -180,6 +180,28 @@ TEST_CASE("route: this stage at its place, addresses bounded") {
     refused(validate_route(long_address, head), "longer than 255");
 }
 
+TEST_CASE("stage: the range and model the route expects of this stage, one expectation per stage or none") {
+    const auto middle = stage(false, false);  // [10, 20)
+    dgr::v1::StageExpectation e;
+    e.set_layer_first(10);
+    e.set_layer_last(20);
+    CHECK(check_stage(e, middle, "abcd").ok());  // no model named: the range alone
+    e.set_model_fingerprint("abcd");
+    CHECK(check_stage(e, middle, "abcd").ok());
+    refused(check_stage(e, middle, "ffff"),
+            "stage changed: the route expects layers [10, 20) of model abcd, this worker serves [10, 20) of model ffff",
+            StatusCode::FAILED_PRECONDITION);
+    e.set_layer_last(25);  // a worker restarted behind the address with another range
+    refused(check_stage(e, middle, "abcd"), "expects layers [10, 25) of model abcd, this worker serves [10, 20)",
+            StatusCode::FAILED_PRECONDITION);
+    auto r = route(1);
+    r.add_expect();
+    refused(validate_route(r, middle), "route.expect: 1 expectations for 3 stages (one each, or none)");
+    r.add_expect();
+    r.add_expect();
+    CHECK(validate_route(r, middle).ok());
+}
+
 TEST_CASE("route_lineage hashes the stages up to the receiving one") {
     CHECK(route_lineage(route(0)) != 0);
     CHECK(route_lineage(route(1)) != route_lineage(route(0)));

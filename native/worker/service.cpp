@@ -60,7 +60,9 @@ dgr::v1::ForwardRequest next_request(const dgr::v1::ForwardRequest & req, dgr::v
     *next.mutable_sampling() = req.sampling();
     next.set_boundary_dtype(req.boundary_dtype());
     *next.mutable_route() = req.route();
-    next.mutable_route()->set_stage_index(req.route().stage_index() + 1);
+    const uint32_t to = req.route().stage_index() + 1;
+    next.mutable_route()->set_stage_index(to);
+    if (to < (uint32_t) req.route().expect_size()) *next.mutable_stage() = req.route().expect((int) to);
     return next;
 }
 
@@ -270,6 +272,9 @@ Status ShardService::compute_one(const dgr::v1::ForwardRequest & req, dgr::v1::F
         return Status(StatusCode::RESOURCE_EXHAUSTED, "queue full: " + std::to_string(admitted.ahead) +
                                                           " forwards in flight, at most " + std::to_string(options_.max_queue) +
                                                           " may wait; retry later");
+    }
+    if (req.has_stage()) {
+        if (Status st = check_stage(req.stage(), desc_, options_.fingerprint); !st.ok()) return st;
     }
     DecodedForward d;
     if (Status st = decode_forward(req, desc_, &d); !st.ok()) return st;

@@ -106,6 +106,10 @@ Status validate_route(const dgr::v1::RouteSpec & route, const dgr::Description &
     if (i >= (uint32_t) n) {
         return invalid("route.stage_index: " + std::to_string(i) + " outside the " + std::to_string(n) + " stages");
     }
+    if (route.expect_size() != 0 && route.expect_size() != n) {
+        return invalid("route.expect: " + std::to_string(route.expect_size()) + " expectations for " + std::to_string(n) +
+                       " stages (one each, or none)");
+    }
     const std::string range = "[" + std::to_string(desc.layer_first) + ", " + std::to_string(desc.layer_last) + ")";
     if (desc.is_head != (i == 0)) {
         return invalid("route.stage_index: " + std::to_string(i) + " for the stage owning " + range +
@@ -116,6 +120,21 @@ Status validate_route(const dgr::v1::RouteSpec & route, const dgr::Description &
                        range + (desc.is_tail ? ", the tail" : ", not the tail"));
     }
     return Status::OK;
+}
+
+Status check_stage(const dgr::v1::StageExpectation & e, const dgr::Description & desc, const std::string & fingerprint) {
+    auto range = [](uint32_t first, uint32_t last) {
+        return "[" + std::to_string(first) + ", " + std::to_string(last) + ")";
+    };
+    const bool same_range = e.layer_first() == (uint32_t) desc.layer_first && e.layer_last() == (uint32_t) desc.layer_last;
+    const bool same_model = e.model_fingerprint().empty() || e.model_fingerprint() == fingerprint;
+    if (same_range && same_model) return Status::OK;
+    return Status(StatusCode::FAILED_PRECONDITION,
+                  "stage changed: the route expects layers " + range(e.layer_first(), e.layer_last()) +
+                      (e.model_fingerprint().empty() ? "" : " of model " + e.model_fingerprint().substr(0, 16)) +
+                      ", this worker serves " + range((uint32_t) desc.layer_first, (uint32_t) desc.layer_last) +
+                      " of model " + fingerprint.substr(0, 16) +
+                      " (restarted behind the same address?): reopen the route");
 }
 
 uint64_t route_lineage(const dgr::v1::RouteSpec & route) {

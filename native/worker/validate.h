@@ -47,6 +47,11 @@ grpc::Status validate_step_time(const dgr::v1::StepTime & t, const std::string &
 // forward mode: a route that names this stage at its place ([first, last) decides head and tail)
 grpc::Status validate_route(const dgr::v1::RouteSpec & route, const dgr::Description & desc);
 
+// the stage the request expects (ForwardRequest.stage, when present) is this one: its layer range
+// and, when the expectation names one, its model; FAILED_PRECONDITION naming both if not
+grpc::Status check_stage(const dgr::v1::StageExpectation & e, const dgr::Description & desc,
+                         const std::string & fingerprint);
+
 // prefix reuse: FNV-1a 64 over the addresses of the route's stages up to the receiving one, what
 // computed this stage's input (never 0): a kept session serves only requests of the same lineage
 uint64_t route_lineage(const dgr::v1::RouteSpec & route);

@@ -194,3 +194,43 @@ def test_a_long_history_resumes_exactly_after_a_stage_dies(
             w.stop()
     assert len(session.failures) == 1
     assert got == expected
+
+
+@pytest.mark.parametrize("mode", ["forward", "relay"])
+def test_a_worker_restarted_with_another_range_refuses_instead_of_computing(
+    smollm2: Path, descriptor: list[str], reference: tuple[list[int], list[int]], mode: str
+) -> None:
+    """The tail [15, 30) restarted behind the same address as [20, 30): an open route (dgr serve
+    keeps one) went on generating through it, layers 15-19 skipped, text from a wrong model and
+    no error. Every request now carries what the route found each stage serving (the head's
+    from the coordinator, each next one's from RouteSpec.expect): the changed stage refuses
+    with FAILED_PRECONDITION naming both ranges, and the route reopened on it says the layers
+    do not follow (a gap)."""
+    prompt, expected = reference
+    head = start_worker(smollm2, 0, 15, descriptor=descriptor, n_ctx=512)
+    tail = start_worker(smollm2, 15, 30, descriptor=descriptor, n_ctx=512)
+    other = None
+    try:
+        r = Route.open([head.address, tail.address], timeout=10, mode=mode)
+        assert list(r.generate(prompt, 4)) == expected[:4]
+        port = tail.port
+        tail.stop()
+        other = start_worker(smollm2, 20, 30, descriptor=descriptor, n_ctx=512, port=port)
+        with pytest.raises(RouteError) as refused:
+            list(r.generate(prompt, 4))
+        assert refused.value.stage == 1 and refused.value.address == other.address
+        assert (
+            "stage changed: the route expects layers [15, 30) of model "
+            f"{descriptor_fingerprint(descriptor)[:16]}, this worker serves [20, 30)"
+        ) in str(refused.value), refused.value
+        r.close()
+        with pytest.raises(RouteError, match=r"layer range \[20, 30\) leaves a gap"):
+            Route.open([head.address, other.address], timeout=10, mode=mode)
+    finally:
+        for w in (head, tail, other):
+            if w is not None:
+                w.stop()
+
+
+def descriptor_fingerprint(descriptor: list[str]) -> str:
+    return descriptor[descriptor.index("--model-fingerprint") + 1]

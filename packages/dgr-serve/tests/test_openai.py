@@ -425,6 +425,40 @@ def test_mid_stream_failure_ends_with_an_error_event(smollm2: Path, tokenizer: T
             w.stop()
 
 
+def test_a_stage_restarted_with_another_range_is_an_error_not_a_wrong_answer(
+    smollm2: Path, tokenizer: Tokenizer
+) -> None:
+    """The tail restarted behind its address as [20, 30): completions went on (layers 15-19
+    skipped) and /health said ok with the old ranges. Now the completion is a 502 naming the
+    change and /health a 503 `stage_changed`."""
+    descriptor = descriptor_args(smollm2)
+    head = start_worker(smollm2, 0, 15, descriptor=descriptor, n_ctx=N_CTX)
+    tail = start_worker(smollm2, 15, 30, descriptor=descriptor, n_ctx=N_CTX)
+    other = None
+    route = Route.open([head.address, tail.address], timeout=10)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+    try:
+        with serving(create_app(route, tokenizer, MODEL)) as url:
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+            tail.stop()
+            other = start_worker(smollm2, 20, 30, descriptor=descriptor, port=tail.port)
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 502, r.text
+            assert "stage changed: the route expects layers [15, 30)" in r.text, r.text
+            h = httpx.get(f"{url}/health", timeout=10)
+            assert h.status_code == 503 and h.json()["error"]["code"] == "stage_changed", h.text
+            assert h.json()["error"]["message"].startswith(
+                f"stage 1 ({other.address}) changed: it serves layers [20, 30), the route was "
+                "opened on [15, 30)"
+            ), h.text
+    finally:
+        route.close()
+        for w in (head, tail, other):
+            if w is not None:
+                w.stop()
+
+
 def test_admission_queue_answers_429(route: Route, tokenizer: Tokenizer) -> None:
     with serving(create_app(route, tokenizer, MODEL, max_active=1, max_queue=1)) as url:
         long = {

@@ -90,6 +90,17 @@ class Stage:
     def layers(self) -> LayerRange:
         return LayerRange(first=self.describe.layer_first, last=self.describe.layer_last)
 
+    @property
+    def expectation(self) -> pb.StageExpectation:
+        """What this stage served when the route opened: every request expects it, so that a
+        worker restarted behind the address with another range or model refuses."""
+        d = self.describe
+        return pb.StageExpectation(
+            layer_first=d.layer_first,
+            layer_last=d.layer_last,
+            model_fingerprint=d.compatibility.model_fingerprint,
+        )
+
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -587,7 +598,9 @@ class Route:
         if max_tokens < 1:
             return
         head = _Stream(self.stages[0], self.timeout)
-        spec = pb.RouteSpec(stages=self.peers, stage_index=0)
+        spec = pb.RouteSpec(
+            stages=self.peers, stage_index=0, expect=[s.expectation for s in self.stages]
+        )
         n_past, prefix = reuse, prefix_hash(history[:reuse]) if reuse else FNV_OFFSET
         generated: list[int] = []
         held = 0  # tokens of history + generated the stages' KV holds, as the last reply says
@@ -608,6 +621,7 @@ class Route:
                         sampling=sampling.message(),
                         boundary_dtype=f"DTYPE_{self.wire_dtype.upper()}",
                         route=spec,
+                        stage=spec.expect[0],
                         chunk_index=k,
                         last_chunk=last,
                         max_tokens=max_tokens if last else 0,
@@ -691,6 +705,7 @@ class Route:
                 token_ids=tokens,
                 sampling=sampling.message(),
                 last_chunk=True,
+                stage=stream.stage.expectation,
             )
             if boundary is not None:
                 request.boundary.CopyFrom(boundary)
