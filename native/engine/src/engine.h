@@ -77,6 +77,40 @@ private:
     bool sched_saved_ = false;
 };
 
+// The calling thread while it makes a compute pool: on `cpus` (the process's cores) and at
+// SCHED_OTHER, its own placement and policy back when the scope ends. A pool's threads inherit
+// both from their maker and take the pool's own only once they first run; made by a handler
+// pinned to one core at a realtime priority, a thread waited on that core behind its maker, which
+// spun at that priority in the graph's first barrier waiting for it (a `--prio auto` worker
+// that printed nothing for minutes on 2 cores).
+class PoolMaker {
+public:
+    explicit PoolMaker(const cpu_set_t * cpus) {
+        const pthread_t self = pthread_self();
+        sched_saved_ = pthread_getschedparam(self, &policy_, &param_) == 0;
+        if (sched_saved_ && policy_ != SCHED_OTHER) {
+            sched_param normal{};
+            pthread_setschedparam(self, SCHED_OTHER, &normal);
+        }
+        if (cpus != nullptr && pthread_getaffinity_np(self, sizeof(saved_), &saved_) == 0) {
+            moved_ = pthread_setaffinity_np(self, sizeof(*cpus), cpus) == 0;
+        }
+    }
+    ~PoolMaker() {
+        if (moved_) pthread_setaffinity_np(pthread_self(), sizeof(saved_), &saved_);
+        if (sched_saved_ && policy_ != SCHED_OTHER) pthread_setschedparam(pthread_self(), policy_, &param_);
+    }
+    PoolMaker(const PoolMaker &) = delete;
+    PoolMaker & operator=(const PoolMaker &) = delete;
+
+private:
+    cpu_set_t saved_{};
+    bool moved_ = false;
+    int policy_ = 0;
+    sched_param param_{};
+    bool sched_saved_ = false;
+};
+
 // what the seam needs to know, from the GGUF metadata alone (no tensor data is read)
 struct ModelShape {
     std::string arch;
@@ -295,6 +329,8 @@ private:
     // the compute pools made so far, by (priority, CPUs): at most one per compute slot and
     // priority the worker used
     std::map<std::pair<int32_t, std::vector<int32_t>>, std::unique_ptr<ggml_threadpool, PoolFree>> pools_;
+    cpu_set_t process_cpus_{};              // the cores the process had at load (PoolMaker)
+    bool have_process_cpus_ = false;
     ggml_threadpool * attached_ = nullptr;  // the pool the context computes with
     int32_t attached_prio_ = 0;             // its threads' priority
     std::atomic<bool> want_priority_{true};

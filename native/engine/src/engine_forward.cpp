@@ -44,6 +44,7 @@ ggml_threadpool * LlamaShardEngine::pool_for(int32_t prio, const std::vector<int
             tpp.strict_cpu = true;  // thread i on the i-th CPU, the calling thread on the last
             tpp.paused = true;      // unpaused, ggml would pin the thread making the pool for good
         }
+        const PoolMaker maker(have_process_cpus_ ? &process_cpus_ : nullptr);
         pool.reset(ggml_threadpool_new(&tpp));
     }
     return pool.get();

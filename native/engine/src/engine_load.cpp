@@ -231,6 +231,7 @@ LlamaShardEngine::LlamaShardEngine(const EngineOptions & options) : options_(opt
 
     // Stages of a route run one after another and share cores with their neighbours; a
     // threadpool that keeps spinning after its graph steals the CPU the next stage needs.
+    have_process_cpus_ = sched_getaffinity(0, sizeof(process_cpus_), &process_cpus_) == 0;
     {
         const PinnedCaller loader({});  // the pool's priority is its threads', not the loader's
         if (ggml_threadpool * pool = pool_for(options.prio, {})) {
