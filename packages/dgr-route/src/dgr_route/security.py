@@ -48,6 +48,8 @@ class Security:
         token_file: Path | None = None,
     ) -> Security:
         """Read the files given; ValueError names the one that cannot be read or is empty."""
+        if (cert is None) != (key is None):  # said before either is read
+            raise ValueError("a client certificate and its key go together")
         token = None
         if token_file:
             try:

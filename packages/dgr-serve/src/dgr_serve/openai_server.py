@@ -477,9 +477,9 @@ def create_app(
                 yield f"data: {json.dumps(final)}\n\n"
         yield "data: [DONE]\n\n"
 
-    async def stage_call(stage: Any, rpc: str, request: Any) -> Any:
-        """A stage's unary `rpc`, awaited on the loop (the call runs on gRPC's own threads)."""
-        call = getattr(stage.stub, rpc).future(request, timeout=2.0, metadata=stage.metadata)
+    async def stage_health(stage: Any) -> pb.HealthReply:
+        """A stage's Health, awaited on the loop (the call runs on gRPC's own threads)."""
+        call = stage.stub.Health.future(pb.HealthRequest(), timeout=2.0, metadata=stage.metadata)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
 
@@ -492,14 +492,7 @@ def create_app(
 
         call.add_done_callback(wake)
         await done
-        return call.result()
-
-    async def stage_health(stage: Any) -> tuple[pb.HealthReply, pb.DescribeReply]:
-        health, describe = await asyncio.gather(
-            stage_call(stage, "Health", pb.HealthRequest()),
-            stage_call(stage, "Describe", pb.DescribeRequest()),
-        )
-        return health, describe
+        return call.result()  # type: ignore[no-any-return]
 
     @app.get("/metrics")
     def prometheus_metrics() -> Response:
@@ -523,30 +516,12 @@ def create_app(
                 ).response()
             if isinstance(h, BaseException):
                 raise h
-            health, now = h
-            was = stage.describe
-            model = now.compatibility.model_fingerprint
-            if (now.layer_first, now.layer_last, model) != (
-                was.layer_first,
-                was.layer_last,
-                was.compatibility.model_fingerprint,
-            ):  # a worker restarted behind the address serving something else: requests fail
-                other = "" if model == was.compatibility.model_fingerprint else " of another model"
-                return OpenAIError(
-                    503,
-                    f"stage {stage.index} ({stage.address}) changed: it serves layers "
-                    f"[{now.layer_first}, {now.layer_last}){other}, the route was opened on "
-                    f"[{was.layer_first}, {was.layer_last}): restart dgr serve on the route as "
-                    "it is now",
-                    "server_error",
-                    code="stage_changed",
-                ).response()
             stages.append(
                 {
                     "address": stage.address,
                     "layers": [stage.layers.first, stage.layers.last],
-                    "sessions": health.sessions,
-                    "ready": health.ready,
+                    "sessions": h.sessions,
+                    "ready": h.ready,
                 }
             )
         return JSONResponse(
