@@ -37,6 +37,36 @@ namespace dgr::detail {
 // architectures whose graphs carry the range hooks, and those with V4's kinds of state
 extern const std::set<std::string> kRangeArchs, kStagedBoundaryArchs, kSnapshotStateArchs, kBatchShapedArchs;
 
+// The calling thread's affinity and scheduling policy as they were when the scope began, both
+// put back when it ends (the policy only if it changed); move_to() (once) places it meanwhile.
+class ThreadPlacement {
+public:
+    ThreadPlacement() { sched_saved_ = pthread_getschedparam(pthread_self(), &policy_, &param_) == 0; }
+    int policy() const { return sched_saved_ ? policy_ : SCHED_OTHER; }
+    void move_to(const cpu_set_t & cpus) {
+        if (pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_) != 0) return;
+        moved_ = pthread_setaffinity_np(pthread_self(), sizeof(cpus), &cpus) == 0;
+    }
+    ~ThreadPlacement() {
+        if (moved_) pthread_setaffinity_np(pthread_self(), sizeof(saved_), &saved_);
+        int policy = 0;
+        sched_param param{};
+        if (sched_saved_ && pthread_getschedparam(pthread_self(), &policy, &param) == 0 &&
+            (policy != policy_ || param.sched_priority != param_.sched_priority)) {
+            pthread_setschedparam(pthread_self(), policy_, &param_);
+        }
+    }
+    ThreadPlacement(const ThreadPlacement &) = delete;
+    ThreadPlacement & operator=(const ThreadPlacement &) = delete;
+
+private:
+    cpu_set_t saved_{};
+    bool moved_ = false;
+    int policy_ = 0;
+    sched_param param_{};
+    bool sched_saved_ = false;
+};
+
 // The calling thread on the last of `cpus` while it computes as a pool's thread 0 (ggml puts the
 // pool's other threads on the others), its own affinity back when the scope ends: the thread is a
 // worker's handler, whose other work may run anywhere. No CPUs: the affinity does not change. The
@@ -48,33 +78,17 @@ extern const std::set<std::string> kRangeArchs, kStagedBoundaryArchs, kSnapshotS
 class PinnedCaller {
 public:
     explicit PinnedCaller(std::vector<int32_t> cpus) : cpus_(std::move(cpus)) {
-        sched_saved_ = pthread_getschedparam(pthread_self(), &policy_, &param_) == 0;
-        if (cpus_.empty() || pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_) != 0) return;
+        if (cpus_.empty()) return;
         cpu_set_t one;
         CPU_ZERO(&one);
         CPU_SET(cpus_.back(), &one);
-        pinned_ = pthread_setaffinity_np(pthread_self(), sizeof(one), &one) == 0;
+        placement_.move_to(one);
     }
     const std::vector<int32_t> & cpus() const { return cpus_; }
-    ~PinnedCaller() {
-        if (pinned_) pthread_setaffinity_np(pthread_self(), sizeof(saved_), &saved_);
-        int policy = 0;
-        sched_param param{};
-        if (sched_saved_ && pthread_getschedparam(pthread_self(), &policy, &param) == 0 &&
-            (policy != policy_ || param.sched_priority != param_.sched_priority)) {
-            pthread_setschedparam(pthread_self(), policy_, &param_);
-        }
-    }
-    PinnedCaller(const PinnedCaller &) = delete;
-    PinnedCaller & operator=(const PinnedCaller &) = delete;
 
 private:
     std::vector<int32_t> cpus_;
-    cpu_set_t saved_{};
-    bool pinned_ = false;
-    int policy_ = 0;
-    sched_param param_{};
-    bool sched_saved_ = false;
+    ThreadPlacement placement_;
 };
 
 // The calling thread while it makes a compute pool: on `cpus` (the process's cores) and at
@@ -86,29 +100,15 @@ private:
 class PoolMaker {
 public:
     explicit PoolMaker(const cpu_set_t * cpus) {
-        const pthread_t self = pthread_self();
-        sched_saved_ = pthread_getschedparam(self, &policy_, &param_) == 0;
-        if (sched_saved_ && policy_ != SCHED_OTHER) {
+        if (placement_.policy() != SCHED_OTHER) {
             sched_param normal{};
-            pthread_setschedparam(self, SCHED_OTHER, &normal);
+            pthread_setschedparam(pthread_self(), SCHED_OTHER, &normal);
         }
-        if (cpus != nullptr && pthread_getaffinity_np(self, sizeof(saved_), &saved_) == 0) {
-            moved_ = pthread_setaffinity_np(self, sizeof(*cpus), cpus) == 0;
-        }
+        if (cpus != nullptr) placement_.move_to(*cpus);
     }
-    ~PoolMaker() {
-        if (moved_) pthread_setaffinity_np(pthread_self(), sizeof(saved_), &saved_);
-        if (sched_saved_ && policy_ != SCHED_OTHER) pthread_setschedparam(pthread_self(), policy_, &param_);
-    }
-    PoolMaker(const PoolMaker &) = delete;
-    PoolMaker & operator=(const PoolMaker &) = delete;
 
 private:
-    cpu_set_t saved_{};
-    bool moved_ = false;
-    int policy_ = 0;
-    sched_param param_{};
-    bool sched_saved_ = false;
+    ThreadPlacement placement_;
 };
 
 // what the seam needs to know, from the GGUF metadata alone (no tensor data is read)
