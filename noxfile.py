@@ -169,64 +169,73 @@ def twins(session: nox.Session) -> None:
         session.run("dgr-native", "twin", name, "--check")
 
 
+def _bench(session: nox.Session, module: str, *args: str) -> None:
+    """Run a bench module, then regenerate the projections: the bench appends its headline to
+    evidence/bench/history.jsonl, and docs/perf.md (a projection of that log) must be committed
+    with it or the projection tests fail."""
+    session.run("python", "-m", module, *args)
+    session.run("dgr-prd", "project")
+
+
 @nox.session(name="bench-seam-bytes", python=False)
 def bench_seam_bytes(session: nox.Session) -> None:
     """Bytes per token per seam on real 3-stage routes (SmolLM2, the V4 twin; real V4 stated)."""
-    session.run("python", "-m", "dgr_bench.seam_bytes", *session.posargs)
+    _bench(session, "dgr_bench.seam_bytes", *session.posargs)
 
 
 @nox.session(name="bench-wan", python=False)
 def bench_wan(session: nox.Session) -> None:
     """DGR and llama.cpp RPC decode through simulated WAN links (0, 1, 10 ms added)."""
-    session.run("python", "-m", "dgr_bench.bench_wan", *session.posargs)
+    _bench(session, "dgr_bench.bench_wan", *session.posargs)
 
 
 @nox.session(name="bench-seam", python=False)
 def bench_seam(session: nox.Session) -> None:
     """The seam-cost model against measurements through simulated links (within 20%)."""
-    session.run("python", "-m", "dgr_bench.bench_wan", "--seam-model", *session.posargs)
+    _bench(session, "dgr_bench.bench_wan", "--seam-model", *session.posargs)
 
 
 @nox.session(name="bench-spec", python=False)
 def bench_spec(session: nox.Session) -> None:
     """Decode with and without prompt-lookup drafts on a 3-stage route, loopback and 10 ms links."""
-    session.run("python", "-m", "dgr_bench.spec", *session.posargs)
+    _bench(session, "dgr_bench.spec", *session.posargs)
 
 
 @nox.session(name="bench-serve", python=False)
 def bench_serve(session: nox.Session) -> None:
     """Many users over one route: chat TTFT with prefix reuse, sessions in flight, /health."""
-    session.run("python", "-m", "dgr_bench.serve", *session.posargs)
+    _bench(session, "dgr_bench.serve", *session.posargs)
 
 
 @nox.session(name="bench-mtp", python=False)
 def bench_mtp(session: nox.Session) -> None:
     """Decode with and without the tail's MTP drafts on a 3-stage V4 twin route (DGR-069)."""
-    session.run("python", "-m", "dgr_bench.mtp", *session.posargs)
+    _bench(session, "dgr_bench.mtp", *session.posargs)
 
 
 @nox.session(name="bench-plan", python=False)
 def bench_plan(session: nox.Session) -> None:
     """Planned routes on loopback through generated links: measured vs predicted, vs even split."""
-    session.run("python", "-m", "dgr_bench.plan", *session.posargs)
+    _bench(session, "dgr_bench.plan", *session.posargs)
 
 
 @nox.session(name="bench-memory", python=False)
 def bench_memory(session: nox.Session) -> None:
     """Per-stage RSS of a 3-way split next to owned weights, KV and compute buffers."""
-    session.run("python", "-m", "dgr_native.memory", *session.posargs)
+    _bench(session, "dgr_native.memory", *session.posargs)
 
 
 @nox.session(python=False)
 def bench(session: nox.Session) -> None:
-    """Route speed vs single-process llama.cpp and llama.cpp RPC, same run (JSON to evidence/)."""
-    session.run("python", "-m", "dgr_bench.bench", *session.posargs)
+    """Route speed vs single-process llama.cpp and llama.cpp RPC, same run (JSON to evidence/):
+    the bench log's line and the regenerated docs/perf.md are committed with it."""
+    _bench(session, "dgr_bench.bench", *session.posargs)
 
 
 @nox.session(name="bench-verify", python=False)
 def bench_verify(session: nox.Session) -> None:
     """Resumable verification throughput vs sha256sum, measured side by side (JSON to evidence/)."""
-    session.run("python", "-m", "dgr_bench.verify")
+    _bench(session, "dgr_bench.verify")
 
 
 @nox.session(python=False)
