@@ -73,6 +73,23 @@ TEST_CASE("split_address takes HOST:PORT and [V6]:PORT and nothing else") {
     CHECK_FALSE(split_address("example.org", &host, &port));
     CHECK_FALSE(split_address("example.org:", &host, &port));
     CHECK_FALSE(split_address(":50051", &host, &port));
+    CHECK(split_address("h:65535", &host, &port));
+    CHECK(split_address("h:0", &host, &port));
+    CHECK_FALSE(split_address("h:65536", &host, &port));
+    CHECK_FALSE(split_address("h:99999", &host, &port));
+    CHECK_FALSE(split_address("h:080000", &host, &port));
+    CHECK_FALSE(split_address("h:-1", &host, &port));
+    CHECK_FALSE(split_address("h:http", &host, &port));
+}
+
+TEST_CASE("peer_address: a stage dials HOST:PORT with a port in 1..65535, or unix:PATH") {
+    CHECK(peer_address("10.0.0.2:50051"));
+    CHECK(peer_address("[::1]:7"));
+    CHECK(peer_address("unix:/run/w.sock"));
+    CHECK_FALSE(peer_address("10.0.0.2:0"));
+    CHECK_FALSE(peer_address("10.0.0.2:99999"));
+    CHECK_FALSE(peer_address("unix:"));
+    CHECK_FALSE(peer_address("10.0.0.2"));
 }
 
 TEST_CASE("a frame header names its kind and a payload within the bound") {

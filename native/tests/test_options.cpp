@@ -88,6 +88,29 @@ TEST_CASE("options: a bad value or an unknown option is refused, naming it") {
     CHECK(refusal({"--model", "m", "--threads"}).find("--threads") != std::string::npos);
 }
 
+TEST_CASE("options: a listen address names a port in 0..65535, a CPU range runs upward") {
+    // getaddrinfo takes a port past 65535 modulo 2**16: 127.0.0.1:99999 listened on 34463
+    CHECK(refusal({"--model", "m", "--listen", "127.0.0.1:99999"})
+              .find("--listen: 127.0.0.1:99999 is not HOST:PORT with a port in 0..65535, or unix:PATH") !=
+          std::string::npos);
+    CHECK(refusal({"--model", "m", "--listen", "localhost"}).find("--listen: localhost is not HOST:PORT") !=
+          std::string::npos);
+    CHECK(refusal({"--model", "m", "--listen", "h:5x"}).find("--listen: h:5x") != std::string::npos);
+    CHECK(refusal({"--model", "m", "--metrics-listen", "nope"}).find("--metrics-listen: nope is not HOST:PORT") !=
+          std::string::npos);
+    CHECK(refusal({"--model", "m", "--metrics-listen", "unix:/tmp/m"}).find("--metrics-listen: unix:/tmp/m") !=
+          std::string::npos);
+    CHECK(refusal({"--model", "m", "--cpus", "1-0"}).find("--cpus: 1-0 is not a range of cores") != std::string::npos);
+    WorkerOptions o;
+    REQUIRE(parse({"--model", "m", "--listen", "[::1]:0", "--metrics-listen", "0.0.0.0:65535", "--cpus", "0-1"}, o) ==
+            -1);
+    CHECK(o.listen == "[::1]:0");
+    CHECK(o.metrics_listen == "0.0.0.0:65535");
+    WorkerOptions u;
+    REQUIRE(parse({"--model", "m", "--listen", "unix:/tmp/w.sock"}, u) == -1);
+    CHECK(u.listen == "unix:/tmp/w.sock");
+}
+
 TEST_CASE("options: --check-args prints the options as resolved without reading their files") {
     WorkerOptions o;
     std::string out;

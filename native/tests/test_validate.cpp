@@ -178,6 +178,14 @@ TEST_CASE("route: this stage at its place, addresses bounded") {
     auto long_address = route(0);
     long_address.set_stages(1, std::string(256, 'a'));
     refused(validate_route(long_address, head), "longer than 255");
+    // a port past 65535 would be dialled modulo 2**16: some other worker's port
+    auto wrapped = route(0);
+    wrapped.set_stages(1, "127.0.0.1:99999");
+    refused(validate_route(wrapped, head),
+            "route.stages: 127.0.0.1:99999 is not HOST:PORT with a port in 1..65535, or unix:PATH");
+    auto bare = route(0);
+    bare.set_stages(2, "worker-3");
+    refused(validate_route(bare, head), "route.stages: worker-3 is not HOST:PORT");
 }
 
 TEST_CASE("stage: the range and model the route expects of this stage, one expectation per stage or none") {

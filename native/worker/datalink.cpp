@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -55,7 +56,15 @@ bool split_address(const std::string & address, std::string * host, std::string 
     *host = address.substr(0, colon);
     *port = address.substr(colon + 1);
     if (host->size() >= 2 && host->front() == '[' && host->back() == ']') *host = host->substr(1, host->size() - 2);
-    return !host->empty();
+    // getaddrinfo takes a numeric port past 65535 modulo 2**16 (99999 binds or dials 34463)
+    const bool digits = port->size() <= 5 && std::all_of(port->begin(), port->end(), ::isdigit);
+    return !host->empty() && digits && std::stoul(*port) <= 65535;
+}
+
+bool peer_address(const std::string & address) {
+    if (address.rfind("unix:", 0) == 0) return address.size() > 5;
+    std::string host, port;
+    return split_address(address, &host, &port) && std::stoul(port) != 0;
 }
 
 void encode_frame_header(dgr::v1::DataFrame kind, uint32_t n, uint8_t out[kFrameHeader]) {

@@ -44,8 +44,12 @@ dgr::v1::DataHello make_hello(dgr::v1::DataStream stream, const std::string & to
 grpc::Status check_hello(const dgr::v1::DataHello & hello);
 constexpr size_t kFrameHeader = 5;  // uint32 little-endian payload length, one DataFrame byte
 
-// HOST:PORT or [V6]:PORT into its host (brackets dropped) and port; false when it is neither
+// HOST:PORT or [V6]:PORT into its host (brackets dropped) and port; false when it is neither or
+// the port is not a number in 0..65535
 bool split_address(const std::string & address, std::string * host, std::string * port);
+
+// an address a stage can dial: HOST:PORT with a port in 1..65535, or unix:PATH
+bool peer_address(const std::string & address);
 
 // a frame's header for a payload of n bytes: uint32 little-endian length, then the kind
 void encode_frame_header(dgr::v1::DataFrame kind, uint32_t n, uint8_t out[kFrameHeader]);

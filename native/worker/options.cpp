@@ -77,6 +77,21 @@ std::string recipe_id(const std::string & value) {
     return value;
 }
 
+// where to listen: HOST:PORT with a port in 0..65535 (0 picks one), or unix:PATH where allowed;
+// getaddrinfo would take a port past 65535 modulo 2**16 and listen somewhere not named
+std::string listen_address(const std::string & option, const std::string & value, bool unix_ok) {
+    if (unix_ok && value.rfind("unix", 0) == 0 && value.find(':') != std::string::npos &&
+        value.find(':') + 1 < value.size()) {
+        return value;
+    }
+    std::string host, port;
+    if (!split_address(value, &host, &port)) {
+        throw CLI::ValidationError(option, value + " is not HOST:PORT with a port in 0..65535" +
+                                               std::string(unix_ok ? ", or unix:PATH" : ""));
+    }
+    return value;
+}
+
 // a CPU list as taskset -c takes it: N, N-M, comma-separated; distinct and ascending on output
 std::vector<int32_t> parse_cpus(const std::string & option, const std::string & value) {
     std::vector<int32_t> out;
@@ -85,7 +100,8 @@ std::vector<int32_t> parse_cpus(const std::string & option, const std::string & 
     while (std::getline(parts, part, ',')) {
         const auto dash = part.find('-');
         const int lo = to_int(option, part.substr(0, dash), 0, 4095);
-        const int hi = dash == std::string::npos ? lo : to_int(option, part.substr(dash + 1), lo, 4095);
+        const int hi = dash == std::string::npos ? lo : to_int(option, part.substr(dash + 1), 0, 4095);
+        if (hi < lo) throw CLI::ValidationError(option, part + " is not a range of cores (N-M with N <= M)");
         for (int c = lo; c <= hi; ++c) out.push_back(c);
     }
     std::sort(out.begin(), out.end());
@@ -170,9 +186,11 @@ void declare_engine(CLI::App & app, WorkerOptions & o) {
 }
 
 void declare_service(CLI::App & app, WorkerOptions & o) {
-    app.add_option("--listen", o.listen, "HOST:PORT (port 0 picks one), or unix:PATH")
+    app.add_option_function<std::string>(
+           "--listen", [&o](const std::string & v) { o.listen = listen_address("--listen", v, true); },
+           "HOST:PORT (port 0 picks one), or unix:PATH")
         ->type_name("HOST:PORT")
-        ->capture_default_str();
+        ->default_str(o.listen);
     integer(app, "--max-message-bytes", o.service.max_message_bytes, 1024, INT32_MAX / 2, "largest message taken");
     integer(app, "--max-queue", o.service.max_queue, 0, 1 << 20, "forwards that may wait behind the one computing");
     integer(app, "--max-batch", o.service.max_batch, 1, 4096, "decode steps computed in one llama_decode (1: FIFO)");
@@ -202,7 +220,10 @@ void declare_service(CLI::App & app, WorkerOptions & o) {
     integer(app, "--max-data-streams", o.max_data_streams, 1, 65536,
             "data streams served at once (default: 4 per session slot + 16)")
         ->default_str("4 x max-sessions + 16");
-    app.add_option("--metrics-listen", o.metrics_listen, "serve /metrics and /metrics.json at HOST:PORT")
+    app.add_option_function<std::string>(
+           "--metrics-listen",
+           [&o](const std::string & v) { o.metrics_listen = listen_address("--metrics-listen", v, false); },
+           "serve /metrics and /metrics.json at HOST:PORT")
         ->type_name("HOST:PORT");
     app.add_option("--auth-token-file", o.token_file, "require the bearer token this file holds on every call")
         ->type_name("FILE");

@@ -1,5 +1,6 @@
 #include "validate.h"
 
+#include "datalink.h"
 #include "wire.h"
 
 #include <algorithm>
@@ -100,6 +101,9 @@ Status validate_route(const dgr::v1::RouteSpec & route, const dgr::Description &
     for (const auto & address : route.stages()) {
         if (address.empty() || address.size() > kMaxAddress) {
             return invalid("route.stages: an address is empty or longer than " + std::to_string(kMaxAddress));
+        }
+        if (!peer_address(address)) {
+            return invalid("route.stages: " + address + " is not HOST:PORT with a port in 1..65535, or unix:PATH");
         }
     }
     const uint32_t i = route.stage_index();
