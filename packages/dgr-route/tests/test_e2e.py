@@ -410,6 +410,34 @@ def test_cli_generate_streams_through_a_route(
     )
     assert empty.returncode == 2, empty
     assert "error: the prompt is empty: it encodes to no tokens" in empty.stderr
+    # a prompt a few tokens short of the 512-token context: the generation ends there, and says so
+    full = subprocess.run(
+        ["dgr", "generate", "--route", route, "--max-tokens", "64", " cat" * 505],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert full.returncode == 0, full
+    assert "; stopped at the route's context of 512 tokens" in full.stderr, full.stderr
+    assert "stopped at" not in done.stderr
+
+
+def test_cli_says_a_route_of_bare_workers_is_not_checked_for_one_model(smollm2: Path) -> None:
+    """Route.open compares every stage's model fingerprint with the head's; workers started
+    without one (bare dgr-shard-worker) all report "" and so agree whatever they load: the CLI
+    says that check did not happen."""
+    bare = start_worker(smollm2, 0, 30, descriptor=[], n_ctx=64, threads=1)
+    try:
+        done = subprocess.run(
+            ["dgr", "generate", "--route", bare.address, "--max-tokens", "2", "hi"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        bare.stop()
+    assert done.returncode == 0, done
+    assert "note: the route's workers report no model fingerprint" in done.stderr
 
 
 def test_cli_refuses_a_local_tokenizer_of_another_model(

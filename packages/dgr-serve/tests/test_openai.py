@@ -332,6 +332,20 @@ def test_openai_errors(client: openai.OpenAI, base: str) -> None:
         ([{"type": "text", "text": "a", "x": 1}], "content part 0: unrecognized field(s) x"),
         (5, "content is int: a string or a list of parts"),
     ]  # fmt: skip
+    prompts = [  # what is wrong, not pydantic's "prompt.str: Input should be a valid string"
+        ([[1, 2], [3]], "one prompt per request: a list of token-id lists is a batch"),
+        (["a", 1], "prompt mixes strings and token ids: one string, or token ids"),
+        ([1, 2.5], "prompt item 1 is float: a prompt's list holds one string or token ids"),
+        ([True], "prompt item 0 is bool"),
+        ({"text": "hi"}, "prompt is dict: a string, a list of one string, or a list of token ids"),
+    ]  # fmt: skip
+    for prompt, message in prompts:
+        r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": prompt})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "prompt" and error["message"].startswith(f"prompt: {message}"), (
+            error
+        )
     for content, message in parts:
         body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
         r = httpx.post(f"{base}/v1/chat/completions", json=body)
@@ -344,6 +358,15 @@ def test_openai_errors(client: openai.OpenAI, base: str) -> None:
     )
     assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
     assert r.json()["error"]["message"].startswith("the request body is not valid JSON"), r.text
+    for body, kind in ((b"[]", "array"), (b'"hi"', "string"), (b"7", "number"), (b"null", "null")):
+        r = httpx.post(
+            f"{base}/v1/chat/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
+        # not pydantic's error dump with this server's source lines
+        assert r.json()["error"]["message"] == f"the request body is a JSON {kind}, not an object"
     r = httpx.get(f"{base}/v1/nothing-here")
     assert r.status_code == 404 and "error" in r.json()
 

@@ -83,6 +83,14 @@ def open_client(args: argparse.Namespace) -> tuple[Route, TokenizerLike] | None:
     route = open_route(args)
     if route is None:
         return None
+    if not route.stages[0].describe.compatibility.model_fingerprint:
+        # Route.open checks every stage reports the head's fingerprint: an empty one matches
+        print(
+            "note: the route's workers report no model fingerprint (bare dgr-shard-worker "
+            "without --model-fingerprint; dgr worker gives it), so that every stage serves the "
+            "same model is not checked",
+            file=sys.stderr,
+        )
     local = args.model and model_arg(args.model)
     if local and (why := not_the_routes_model(local, route)):
         print(f"error: {why}", file=sys.stderr)
@@ -142,17 +150,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
     try:
-        count = stream_text(route, tokenizer, prompt, args.max_tokens, sampling, sys.stdout).tokens
+        streamed = stream_text(route, tokenizer, prompt, args.max_tokens, sampling, sys.stdout)
     except RouteError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
     finally:
         route.close()
     elapsed = time.perf_counter() - started
+    count = streamed.tokens
+    # a generation ends where the route's context does, short of --max-tokens: say so
+    full = streamed.why == "length" and count < args.max_tokens
     print(flush=True)  # the text ends its line on standard output; figures go to standard error
     print(
         f"--- {count} tokens in {elapsed:.2f} s ({count / elapsed:.1f} tok/s) through "
-        f"{len(route.stages)} stages",
+        f"{len(route.stages)} stages"
+        + (f"; stopped at the route's context of {route.n_ctx} tokens" if full else ""),
         file=sys.stderr,
     )
     return 0

@@ -40,11 +40,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     route, tokenizer = client
     c = route.stages[0].describe.compatibility
+    # the id: --model-name, else the local GGUF's name, else the arch and the fingerprint's
+    # start (the arch alone where bare workers report none)
+    named = f"{c.arch}-{c.model_fingerprint[:12]}" if c.model_fingerprint else c.arch
     app = create_app(
         route,
         tokenizer,
-        args.model_name
-        or (model_arg(args.model).stem if args.model else f"{c.arch}-{c.model_fingerprint[:12]}"),
+        args.model_name or (model_arg(args.model).stem if args.model else named),
         max_active=args.max_active,
         max_queue=args.max_queue,
     )

@@ -160,6 +160,17 @@ class _Request(BaseModel):
             raise OpenAIError(400, str(exc), param="stop") from exc
 
 
+# a JSON value's kind by the Python type it parses to, for messages about a body
+JSON_KINDS = {
+    "list": "array",
+    "str": "string",
+    "int": "number",
+    "float": "number",
+    "bool": "boolean",
+    "NoneType": "null",
+}
+
+
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = Field(default=16, ge=1)
@@ -167,6 +178,29 @@ class CompletionRequest(_Request):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def one_prompt(cls, value: Any) -> Any:
+        # named here: pydantic's own message for the union names its str branch instead
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(
+                f"prompt is {type(value).__name__}: a string, a list of one string, or a list of "
+                "token ids"
+            )
+        if value and isinstance(value[0], list):
+            raise ValueError("one prompt per request: a list of token-id lists is a batch")
+        for i, item in enumerate(value):
+            if isinstance(item, bool) or not isinstance(item, (str, int)):
+                raise ValueError(
+                    f"prompt item {i} is {type(item).__name__}: a prompt's list holds one "
+                    "string or token ids (integers)"
+                )
+        if len({type(item) for item in value}) > 1:
+            raise ValueError("prompt mixes strings and token ids: one string, or token ids")
+        return value
 
     def check(self) -> None:
         super().check()
@@ -320,6 +354,9 @@ def create_app(
         elif first.get("type") == "json_invalid":
             param = None  # its loc is a character offset, not a field
             message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+        elif not loc:  # the body itself: valid JSON, but an array, a string or a number
+            kind = type(first.get("input")).__name__
+            message = f"the request body is a JSON {JSON_KINDS.get(kind, kind)}, not an object"
         else:
             what = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
             message = f"{param}: {what}" if param else str(exc)
