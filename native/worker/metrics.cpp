@@ -87,6 +87,13 @@ std::string metric_json(const prometheus::MetricFamily & family, const prometheu
 struct Metrics::Handler : public CivetHandler {
     Handler(Metrics & metrics, bool as_json) : metrics_(metrics), json_(as_json) {}
     bool handleGet(CivetServer *, struct mg_connection * conn) override {
+        // civetweb hands a handler every path under its own too (/metrics.jsonx, /metrics/x):
+        // only the path itself is served, the rest is 404
+        const mg_request_info * request = mg_get_request_info(conn);
+        if (request == nullptr || request->local_uri == nullptr ||
+            std::string(request->local_uri) != (json_ ? "/metrics.json" : "/metrics")) {
+            return false;
+        }
         const std::string body = json_ ? metrics_.json() : metrics_.text();
         const char * type = json_ ? "application/json" : "text/plain; version=0.0.4; charset=utf-8";
         mg_printf(conn, "HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n", type,

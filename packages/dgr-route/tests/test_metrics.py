@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -127,6 +128,18 @@ def test_errors_by_status_code(metered_workers: list[WorkerProcess]) -> None:
     assert m[key] - before == 2
     errors = scrape_json(tail)["dgr:request_errors_total"]
     assert isinstance(errors, dict) and errors["INVALID_ARGUMENT"] == m[key]
+
+
+def test_only_the_two_paths_are_served(metered_workers: list[WorkerProcess]) -> None:
+    """civetweb passes a handler every path under its own; the worker serves /metrics and
+    /metrics.json and answers 404 for the rest."""
+    url = metered_workers[0].metrics_url
+    assert url is not None
+    for path in ("/metrics.jsonx", "/metrics/x", "/metricsfoo", "/", "/metrics.json/.."):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(f"{url}{path}", timeout=10)
+        assert info.value.code == 404, path
+    assert "dgr:forwards_total" in scrape_json(metered_workers[0])
 
 
 def test_a_busy_metrics_port_stops_the_worker(
