@@ -438,6 +438,7 @@ def test_cli_says_a_route_of_bare_workers_is_not_checked_for_one_model(smollm2: 
         bare.stop()
     assert done.returncode == 0, done
     assert "note: the route's workers report no model fingerprint" in done.stderr
+    assert "tok/s) through 1 stage\n" in done.stderr, done.stderr
 
 
 def test_cli_refuses_a_local_tokenizer_of_another_model(

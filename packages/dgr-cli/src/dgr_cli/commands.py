@@ -163,7 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(flush=True)  # the text ends its line on standard output; figures go to standard error
     print(
         f"--- {count} tokens in {elapsed:.2f} s ({count / elapsed:.1f} tok/s) through "
-        f"{len(route.stages)} stages"
+        f"{len(route.stages)} stage{'s' if len(route.stages) != 1 else ''}"
         + (f"; stopped at the route's context of {route.n_ctx} tokens" if full else ""),
         file=sys.stderr,
     )
