@@ -88,6 +88,18 @@ TEST_CASE("options: a bad value or an unknown option is refused, naming it") {
     CHECK(refusal({"--model", "m", "--threads"}).find("--threads") != std::string::npos);
 }
 
+TEST_CASE("options: the model's name is its file name less .gguf, printable ASCII, at most 128") {
+    WorkerOptions o;
+    REQUIRE(parse({"--model", "/models/smollm2-135m-q4_1.gguf"}, o) == -1);
+    CHECK(o.service.model_name == "smollm2-135m-q4_1");
+    WorkerOptions p;
+    REQUIRE(parse({"--model", "rel/caf\xc3\xa9 model.bin"}, p) == -1);
+    CHECK(p.service.model_name == "caf__ model.bin");
+    WorkerOptions q;
+    REQUIRE(parse({"--model", std::string(200, 'm') + ".gguf"}, q) == -1);
+    CHECK(q.service.model_name == std::string(128, 'm'));
+}
+
 TEST_CASE("options: a listen address names a port in 0..65535, a CPU range runs upward") {
     // getaddrinfo takes a port past 65535 modulo 2**16: 127.0.0.1:99999 listened on 34463
     CHECK(refusal({"--model", "m", "--listen", "127.0.0.1:99999"})

@@ -77,6 +77,18 @@ std::string recipe_id(const std::string & value) {
     return value;
 }
 
+// the model's name as a client sees it: the GGUF's file name less .gguf, at most 128 characters,
+// a byte outside printable ASCII as '_' (a proto3 string must be UTF-8; a file name need not be)
+std::string model_name(const std::string & path) {
+    std::string name = path.substr(path.find_last_of('/') + 1);
+    if (name.size() > 5 && name.compare(name.size() - 5, 5, ".gguf") == 0) name.resize(name.size() - 5);
+    name.resize(std::min<size_t>(name.size(), 128));
+    for (char & c : name) {
+        if ((unsigned char) c < 0x20 || (unsigned char) c > 0x7e) c = '_';
+    }
+    return name;
+}
+
 // where to listen: HOST:PORT with a port in 0..65535 (0 picks one), or unix:PATH where allowed;
 // getaddrinfo would take a port past 65535 modulo 2**16 and listen somewhere not named
 std::string listen_address(const std::string & option, const std::string & value, bool unix_ok) {
@@ -261,7 +273,8 @@ std::string resolved(const WorkerOptions & o) {
       << "\nmax_data_streams = " << (o.max_data_streams > 0 ? o.max_data_streams : o.max_sessions * 4 + 16)
       << "\nmetrics_listen = " << o.metrics_listen << "\nauth_token_file = " << o.token_file
       << "\ntls_cert = " << o.tls_cert_file << "\ntls_key = " << o.tls_key_file << "\ntls_client_ca = " << o.tls_client_ca_file
-      << "\npeer_ca = " << o.peer_ca_file << "\nmodel_fingerprint = " << o.service.fingerprint
+      << "\npeer_ca = " << o.peer_ca_file << "\nmodel_name = " << o.service.model_name
+      << "\nmodel_fingerprint = " << o.service.fingerprint
       << "\nrecipe_id = " << o.service.recipe << "\n";
     return s.str();
 }
@@ -314,6 +327,7 @@ int parse_options(int argc, const char * const * argv, WorkerOptions & o, bool r
         std::cerr << "dgr-shard-worker: " << e.what() << "\n(dgr-shard-worker --help lists the options)\n";
         return 2;
     }
+    o.service.model_name = model_name(o.model);
     if (o.check_args) {
         std::cout << resolved(o);
         return 0;

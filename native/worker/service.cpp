@@ -210,6 +210,7 @@ Status ShardService::Describe(grpc::ServerContext * ctx, const dgr::v1::Describe
     c->set_arch(desc_.arch);
     c->set_n_layer((uint32_t) desc_.n_layer);
     c->set_recipe(options_.recipe);
+    reply->set_model_name(options_.model_name);
     reply->set_layer_first((uint32_t) desc_.layer_first);
     reply->set_layer_last((uint32_t) desc_.layer_last);
     auto * b = reply->mutable_boundary();

@@ -34,6 +34,7 @@ namespace dgr::worker {
 struct ServiceOptions {
     std::string fingerprint;  // of the GGUF, given by the launcher; the build's identity is compiled in
     std::string recipe;  // id of the recipe served (checked against the manifest by the launcher)
+    std::string model_name;  // the GGUF's file name less .gguf (Describe: a client's name for the model)
     std::string token;  // bearer token every ShardService call must carry (empty: none)
     uint64_t max_message_bytes = 64ull << 20;
     int max_queue = 16;  // forwards that may wait behind the one computing; more are refused

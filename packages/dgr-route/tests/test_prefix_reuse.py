@@ -219,7 +219,9 @@ def test_a_reused_session_fails_over_and_equals_full_prefills(smollm2: Path) -> 
             w.stop()
 
 
-@pytest.mark.parametrize("n", [40, pytest.param(1000, marks=pytest.mark.slow)], ids=lambda n: f"{n}-prompts")
+@pytest.mark.parametrize(
+    "n", [40, pytest.param(1000, marks=pytest.mark.slow)], ids=lambda n: f"{n}-prompts"
+)
 def test_many_different_prompts_evict_by_lru_within_the_bytes_bound(smollm2: Path, n: int) -> None:
     """A client sending many different prompts (1,000 in the slow lane): the worker keeps at most
     what --prefix-cache-bytes allows (the most recent ones), counts what it evicted, and its RSS

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx2 as httpx
 import openai
 import pytest
+from dgr_cli.serve import served_name
 from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_route.route import Draft, Route
 from dgr_route.tokenizer import Tokenizer
@@ -77,6 +78,14 @@ def test_models_and_health(client: openai.OpenAI, base: str) -> None:
     health = httpx.get(f"{base}/health").json()
     assert health["status"] == "ok" and health["model"] == MODEL
     assert [s["layers"] for s in health["stages"]] == [[0, 15], [15, 30]]
+
+
+def test_dgr_serve_names_the_model_by_the_heads_gguf(route: Route, smollm2: Path) -> None:
+    """Without --model-name, /v1/models reports the head's GGUF file name less .gguf (the name
+    `dgr artifacts fetch-model` gives it, which docs/usage.md's client example passes), not an
+    arch and hash nobody can guess; every stage reports its own."""
+    assert served_name(route) == smollm2.stem == "smollm2-135m-q4_1"
+    assert [s.describe.model_name for s in route.stages] == [smollm2.stem] * 2
 
 
 def test_chat_completion_streams_the_same_text(client: openai.OpenAI) -> None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
+
+from dgr_route.route import Route
 
 from dgr_cli.commands import add_route_options, integer, model_arg, open_client
 
@@ -31,6 +34,17 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def served_name(route: Route) -> str:
+    """The model id /v1/models reports without --model-name or --model: the head worker's GGUF
+    file name less .gguf (Describe.model_name, what `dgr artifacts fetch-model` names it), else
+    the arch and the fingerprint's start (a worker older than that field), else the arch."""
+    head = route.stages[0].describe
+    if re.fullmatch(r"[ -~]{1,128}", head.model_name):
+        return head.model_name
+    c = head.compatibility
+    return f"{c.arch}-{c.model_fingerprint[:12]}" if c.model_fingerprint else c.arch
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
     from dgr_serve.openai_server import create_app
@@ -39,14 +53,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if client is None:
         return 1
     route, tokenizer = client
-    c = route.stages[0].describe.compatibility
-    # the id: --model-name, else the local GGUF's name, else the arch and the fingerprint's
-    # start (the arch alone where bare workers report none)
-    named = f"{c.arch}-{c.model_fingerprint[:12]}" if c.model_fingerprint else c.arch
     app = create_app(
         route,
         tokenizer,
-        args.model_name or (model_arg(args.model).stem if args.model else named),
+        args.model_name or (model_arg(args.model).stem if args.model else served_name(route)),
         max_active=args.max_active,
         max_queue=args.max_queue,
     )
