@@ -189,6 +189,36 @@ def test_bad_nodes_are_refused_by_name() -> None:
         Node.model_validate({**node, "threads": 0})
     with pytest.raises(ValidationError, match="ms_per_layer"):
         Node.model_validate({**node, "compute": {"ms_per_layer": float("nan")}})
+    for port in ("0", "65536", "99999", "080"):  # the worker would refuse it, or listen elsewhere
+        with pytest.raises(ValidationError, match="listen"):
+            Node.model_validate({**node, "listen": f"10.0.0.1:{port}"})
+    for port in ("1", "7001", "59999", "65535"):
+        assert Node.model_validate({**node, "listen": f"10.0.0.1:{port}"}).listen.endswith(port)
+
+
+def test_a_nodes_file_with_problems_lists_each_by_its_field(
+    smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each problem as `where: what`, not pydantic's dump of the input with its links."""
+    from dgr_cli import main
+
+    path = tmp_path / "nodes.yaml"
+    path.write_text(
+        'nodes:\n  - {name: a, listen: "h:99999", memory_mib: -5, threads: 0}\n'
+        "links: {latency_ms: [[0]]}\n",
+        encoding="utf-8",
+    )
+    assert main(["plan", "--nodes", str(path), "--model", str(smollm2)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"dgr plan: {path}: 3 problems:\n  nodes.0.listen: String should match"
+    ), err
+    assert "\n  nodes.0.memory_mib: Input should be greater than 0\n" in err, err
+    assert err.endswith("\n  nodes.0.threads: Input should be greater than or equal to 1\n"), err
+    assert "pydantic.dev" not in err and "input_value" not in err, err
+    path.write_text("nodes: [{name: a, listen: 'h:1', memory_mib: 5, threads: 1}]\n", "utf-8")
+    assert main(["plan", "--nodes", str(path), "--model", str(smollm2)]) == 2
+    assert capsys.readouterr().err == f"dgr plan: {path}: links: Field required\n"
 
 
 def test_a_nodes_file_that_is_not_yaml_is_named(

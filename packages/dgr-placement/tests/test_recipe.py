@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dgr_artifacts.errors import RecipeFileError
 from dgr_artifacts.manifest import ArtifactManifest, build_manifest
 from dgr_artifacts.models import model_path
 from dgr_artifacts.recipe import (
@@ -178,8 +179,15 @@ def test_a_recipe_file_is_read_and_checked(
     with pytest.raises(UnknownQuantization, match="Q5_K"):
         load_recipe(path).check(smollm2_manifest)
     path.write_text(json.dumps({**body, "stages": "0:30"}))
-    with pytest.raises(ValidationError, match="stages"):
+    with pytest.raises(
+        RecipeFileError, match=r"recipe.json: not a recipe: stages: Input should be"
+    ):
         load_recipe(path)
+    path.write_text("{")
+    with pytest.raises(RecipeFileError, match="not a recipe: Invalid JSON"):
+        load_recipe(path)
+    with pytest.raises(RecipeFileError, match=r"nothing\.json: no such recipe file"):
+        load_recipe(tmp_path / "nothing.json")
 
 
 def start_dgr_worker(*args: str) -> tuple[subprocess.Popen[str], str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import ValidationError
+
 
 class ArtifactError(Exception):
     def __init__(self, path: Path | str, cause: str) -> None:
@@ -44,6 +46,10 @@ class ManifestError(ArtifactError):
     """A manifest file that is missing, unreadable or not a DGR artifact manifest."""
 
 
+class RecipeFileError(ArtifactError):
+    """A recipe file that is missing, unreadable, not JSON or not a recipe."""
+
+
 class LayerRangeError(ArtifactError):
     pass
 
@@ -58,3 +64,19 @@ class ForbiddenStorageRoot(ProvisionError):
 
 class InsufficientSpace(ProvisionError):
     pass
+
+
+def problems(exc: ValidationError, limit: int = 6) -> str:
+    """A pydantic ValidationError as a person reads it: each problem as `where: what` (the
+    field's dotted path, pydantic's message less its "Value error, " prefix), one per line after
+    the first, at most `limit`; not pydantic's dump of the input with its documentation links."""
+    lines = []
+    for error in exc.errors()[:limit]:
+        where = ".".join(str(p) for p in error["loc"])
+        what = str(error["msg"]).removeprefix("Value error, ")
+        lines.append(f"{where}: {what}" if where else what)
+    if exc.error_count() > limit:
+        lines.append(f"... and {exc.error_count() - limit} more")
+    if exc.error_count() == 1:
+        return lines[0]
+    return f"{exc.error_count()} problems:\n  " + "\n  ".join(lines)

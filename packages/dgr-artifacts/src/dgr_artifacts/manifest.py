@@ -10,7 +10,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from dgr_artifacts.errors import ManifestError
+from dgr_artifacts.errors import ManifestError, problems
 from dgr_artifacts.identity import GgufModel, fingerprint, open_model, stored
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
@@ -127,13 +127,7 @@ def load_manifest(path: Path) -> ArtifactManifest:
     try:
         return ArtifactManifest.model_validate_json(text)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(map(str, first["loc"])) or "the document"
-        raise ManifestError(
-            path,
-            f"not a DGR artifact manifest ({exc.error_count()} problem(s); {where}: "
-            f"{first['msg']})",
-        ) from None
+        raise ManifestError(path, f"not a DGR artifact manifest: {problems(exc)}") from None
 
 
 def write_manifest(manifest: ArtifactManifest, path: Path) -> None:

@@ -50,7 +50,7 @@ def worker_layers(args: argparse.Namespace, model: Path) -> tuple[str, list[str]
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from dgr_artifacts.errors import ArtifactError
+    from dgr_artifacts.errors import ArtifactError, problems
     from dgr_route.engine import EngineNotFound, locate
     from pydantic import ValidationError
 
@@ -70,7 +70,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     model = model_arg(args.model)
     try:
         layers, descriptor = worker_layers(args, model)
-    except (ValueError, ValidationError, OSError, ArtifactError) as exc:
+    except ValidationError as exc:
+        print(f"dgr worker: {problems(exc)}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError, ArtifactError) as exc:
         print(f"dgr worker: {exc}", file=sys.stderr)
         return 2
     cmd = [str(worker.worker), "--model", str(model), "--layers", layers, *descriptor, *rest]

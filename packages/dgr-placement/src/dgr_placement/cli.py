@@ -31,6 +31,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from dgr_artifacts.errors import problems
     from dgr_cli.commands import model_arg
     from pydantic import ValidationError
 
@@ -55,7 +56,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
     try:
         nodes = load_nodes(args.nodes)
-    except (ValidationError, OSError, ValueError) as exc:
+    except ValidationError as exc:
+        print(f"dgr plan: {args.nodes}: {problems(exc)}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
         print(f"dgr plan: {args.nodes}: {exc}", file=sys.stderr)
         return 2
     try:

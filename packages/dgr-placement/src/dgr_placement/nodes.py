@@ -20,7 +20,10 @@ import yaml
 from dgr_artifacts.recipe import Name
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-Listen = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._\[\]:-]{1,255}:[0-9]{1,5}$")]
+# a port in 1..65535, spelled out so that the schema says it too (a worker refuses 99999, which
+# getaddrinfo would take modulo 2**16)
+PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
+Listen = Annotated[str, StringConstraints(pattern=rf"^[A-Za-z0-9._\[\]:-]{{1,255}}:{PORT}$")]
 
 
 class _Strict(BaseModel):
