@@ -71,6 +71,20 @@ def test_demo_refuses_counts_it_cannot_run(capfd: pytest.CaptureFixture[str]) ->
         assert done.value.code == 2 and message in capfd.readouterr().err
     assert main(["demo", "--stages", "31"]) == 2  # the model has 30 layers: one each at most
     assert "dgr demo: --stages 31 is more than the model's 30 layers" in capfd.readouterr().err
+    # an empty prompt was a ValueError traceback after three workers had started
+    assert main(["demo", "--prompt", ""]) == 2
+    assert "dgr demo: --prompt encodes to no tokens: the demo takes 1 to 1023" in (
+        capfd.readouterr().err
+    )
+
+
+@pytest.mark.fleet
+def test_a_demo_of_one_token_times_no_decode(capfd: pytest.CaptureFixture[str]) -> None:
+    """--max-tokens 1 divided 0 decode tokens/s by 0: decode from the first token on times none."""
+    assert main(["demo", "--stages", "1", "--max-tokens", "1"]) == 0
+    out = capfd.readouterr().out
+    assert "decode not timed (one token) over 1 worker process (forward mode)" in out, out
+    assert "route/single" not in out and "parity: 1 greedy tokens identical" in out, out
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,8 @@ from dgr_route.tokenizer import Tokenizer
 from dgr_cli.commands import MAX_TOKENS, integer
 from dgr_cli.workers import descriptor_args, start_worker
 
+N_CTX = 1024  # each demo worker's context
+
 
 def run_demo(args: argparse.Namespace) -> int:
     from dgr_artifacts.models import MODELS, model_path
@@ -40,11 +42,20 @@ def run_demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt or len(prompt) >= N_CTX:
+        what = "encodes to no tokens" if not prompt else f"is {len(prompt)} tokens"
+        print(
+            f"dgr demo: --prompt {what}: the demo takes 1 to {N_CTX - 1} (its context is {N_CTX})",
+            file=sys.stderr,
+        )
+        return 2
     layout = even_layout(n_layer, args.stages)
     descriptor = descriptor_args(model)
     t0 = time.perf_counter()
     workers = [
-        start_worker(model, a, b, descriptor=descriptor, n_ctx=1024, n_batch=512) for a, b in layout
+        start_worker(model, a, b, descriptor=descriptor, n_ctx=N_CTX, n_batch=512)
+        for a, b in layout
     ]
     print(
         f"{len(workers)} workers up in {time.perf_counter() - t0:.1f} s: "
@@ -52,7 +63,6 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     try:
         route = Route.open([w.address for w in workers], wire_dtype=args.wire_dtype, mode=args.mode)
-        prompt = tokenizer.encode(args.prompt)
         print(f"prompt ({len(prompt)} tokens): {args.prompt}\n---", flush=True)
         tokens: list[int] = []
         detok = Detokenizer(tokenizer.detokenize)
@@ -73,9 +83,14 @@ def run_demo(args: argparse.Namespace) -> int:
         for w in workers:
             w.stop()
     decode_rate = (len(tokens) - 1) / max(t2 - first_at, 1e-9)
+    # decode is timed from the first token on: one token (--max-tokens 1, or an end of
+    # generation first) times none, and the ratio is left out rather than divided by zero
+    timed = len(tokens) > 1
+    decode = f"decode {decode_rate:.1f} tok/s" if timed else "decode not timed (one token)"
     print(
         f"\n---\nroute: first token after {first_at - t1:.2f} s ({len(prompt)}-token prefill), "
-        f"decode {decode_rate:.1f} tok/s over {len(workers)} worker processes ({args.mode} mode)"
+        f"{decode} over {len(workers)} worker process{'es' if len(workers) != 1 else ''} "
+        f"({args.mode} mode)"
     )
     # the same greedy generation in one process, over the whole model
     ref: list[int] = [int(np.argmax(whole.step(np.asarray(prompt, dtype=np.int32))))]
@@ -84,10 +99,11 @@ def run_demo(args: argparse.Namespace) -> int:
         ref.append(int(np.argmax(whole.step(np.array([ref[-1]], dtype=np.int32)))))
     t4 = time.perf_counter()
     single = (len(ref) - 1) / max(t4 - t3, 1e-9)
-    print(
-        f"single process (whole model, same build): decode {single:.1f} tok/s; route/single "
-        f"{decode_rate / single:.2f}"
-    )
+    if timed:
+        print(
+            f"single process (whole model, same build): decode {single:.1f} tok/s; route/single "
+            f"{decode_rate / single:.2f}"
+        )
     against = "the single-process run"
     if args.wire_dtype != "f32":
         # a rounded wire is compared with the same rounding in one process
