@@ -211,8 +211,6 @@ void configure_server(grpc::ServerBuilder & builder, const Args & args) {
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
 }
 
-// serves until SIGTERM/SIGINT, then drains: new streams refused, those in flight finish within
-// --drain-seconds
 // --cpus: every thread of the process on those cores (threads made later inherit it); a core
 // this process may not use is refused by name (exit 2)
 void restrict_cpus(const Args & args) {
@@ -227,8 +225,25 @@ void restrict_cpus(const Args & args) {
     if (sched_setaffinity(0, sizeof(want), &want) != 0) fail(2, "--cpus: sched_setaffinity failed");
 }
 
+// More compute threads than the cores this process may use: ggml's threads meet at a barrier
+// after every op, spinning (--poll), so each op waits for threads that have no core (64 threads
+// on 2 cores took minutes per token). Said, not refused: parity is checked at 4 threads on 2.
+void warn_oversubscribed(const Args & args) {
+    cpu_set_t allowed;
+    if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
+    const int cores = CPU_COUNT(&allowed);
+    if (args.threads > cores) {
+        std::cerr << "dgr-shard-worker: warning: --threads " << args.threads << " is more than the " << cores
+                  << " cores this process may use: every op's threads wait for cores, expect it many times slower"
+                  << std::endl;
+    }
+}
+
+// serves until SIGTERM/SIGINT, then drains: new streams refused, those in flight finish within
+// --drain-seconds
 int serve(Args & args) {
     restrict_cpus(args);
+    warn_oversubscribed(args);
     place_compute_slots(args);
     args.prio = resolve_prio(args);
     std::unique_ptr<dgr::ShardEngine> engine = open_engine(args);

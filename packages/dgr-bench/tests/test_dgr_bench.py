@@ -4,6 +4,7 @@ it (the `dgr` command, real workers on loopback), and its refusals."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 DGR = str(Path(sys.executable).parent / "dgr")
+CORES = len(os.sched_getaffinity(0))
 
 
 def dgr(*args: str) -> subprocess.CompletedProcess[str]:
@@ -20,10 +22,16 @@ def dgr(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--decode-tokens", "0"], "--decode-tokens must be at least 1, not 0"),
-        (["--rounds", "-1"], "--rounds must be at least 1"),
-        (["--stages", "0"], "--stages and --threads take positive counts"),
+        (["--decode-tokens", "0"], "argument --decode-tokens: '0' is not an integer in [4, 4096]"),
+        # of one token, decode was the clock's noise: 10**9 tok/s
+        (["--decode-tokens", "1"], "argument --decode-tokens: '1' is not an integer in [4, 4096]"),
+        (["--rounds", "-1"], "argument --rounds: '-1' is not an integer in [1, 100]"),
+        (["--stages", "0"], "argument --stages: '0' is not an integer in [1, 256]"),
+        (["--threads", "1", "x"], "argument --threads: 'x' is not an integer in [1, 512]"),
+        (["--prompt-tokens", "20000"], "argument --prompt-tokens: '20000' is not an integer in"),
         (["--model", "/nonexistent.gguf"], "no model at /nonexistent.gguf"),
+        # 64 threads on 2 cores timed nothing for minutes
+        (["--threads", str(CORES + 1)], f"--threads {CORES + 1} is more than the {CORES} cores"),
         # refused before any timing: it timed the engine, skipped the row and exited 0
         (["--stages", "3", "31"], "--stages 31 is more than the model's 30 layers"),
     ],
@@ -56,3 +64,18 @@ def test_times_a_route_against_the_engine(smollm2: Path, tmp_path: Path) -> None
         assert f"{name:<26}" in done.stdout
     assert one["decode_over_engine"]["engine in one process"] == 1.0
     assert result["host"]["cpu"]["cores"] >= 1 and result["decode_tokens"] == 6
+
+
+def test_the_engine_row_takes_a_prompt_longer_than_its_batch(smollm2: Path) -> None:
+    """`dgr bench --prompt-tokens 5000` was a ShardError traceback (n_tokens 5000 outside
+    [1, 512]): the engine's row prefills in forwards of its batch, as a route's stages do."""
+    from dgr_bench.bench import engine_round
+    from dgr_route.engine import locate
+
+    engine = (
+        locate()
+        .module()
+        .Engine(str(smollm2), 0, -1, n_threads=1, n_ctx=128, n_batch=16, max_sessions=1)
+    )
+    timed = engine_round(engine, list(range(1000, 1040)), 4)  # 40 tokens: 16, 16 and 8
+    assert timed["prefill"] > 0 and timed["decode"] > 0

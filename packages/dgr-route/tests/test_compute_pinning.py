@@ -73,6 +73,31 @@ def test_pin_takes_on_or_off(smollm2: Path) -> None:
     assert "--pin: on or off, not yes" in done.stderr
 
 
+def test_more_threads_than_cores_is_said(smollm2: Path) -> None:
+    """Past the process's cores, a forward's threads wait at every op's barrier for a core (64
+    threads on 2 cores took minutes per token): the worker starts, and says so first."""
+    from dgr_route.engine import locate
+
+    cores = len(os.sched_getaffinity(0))
+    proc = subprocess.Popen(
+        [str(locate("cpu").worker), "--model", str(smollm2), "--layers", "0:30", "--no-warmup",
+         "--n-ctx", "64", "--threads", str(cores + 1), "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        warning = proc.stderr.readline()
+        assert warning.startswith(
+            f"dgr-shard-worker: warning: --threads {cores + 1} is more than the {cores} cores"
+        ), warning
+        assert proc.stdout.readline().startswith("DGR-WORKER-READY port=")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def one_thread_worker(smollm2: Path, slots: Path, **kw: int) -> WorkerProcess:
     """A 1-thread worker over the whole model with its own compute-slot directory; skips on a
     single core, where there is nothing to choose between."""

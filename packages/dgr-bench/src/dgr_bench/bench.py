@@ -324,12 +324,16 @@ def sessions_at_once(route: Route, n: int, tokens: int) -> float:
 def engine_round(
     engine: Any, prompt_ids: list[int], decode_tokens: int = DECODE_TOKENS
 ) -> dict[str, float]:
-    """One greedy generation through `engine` (a whole-model ShardEngine) in this process."""
+    """One greedy generation through `engine` (a whole-model ShardEngine) in this process; the
+    prompt in forwards of at most the engine's batch, as a route's stages take it."""
     import numpy as np
 
     prompt = np.asarray(prompt_ids, dtype=np.int32)
+    n_batch = int(engine.describe()["n_batch"])
     t0 = time.perf_counter()
-    token = int(np.argmax(engine.forward(1, 1, 0, tokens=prompt)[-1]))
+    for start in range(0, len(prompt), n_batch):
+        logits = engine.forward(1, 1, start, tokens=prompt[start : start + n_batch])
+    token = int(np.argmax(logits[-1]))
     t1 = time.perf_counter()
     for i in range(decode_tokens):
         row = engine.forward(1, 1, len(prompt) + i, tokens=np.array([token], np.int32))
