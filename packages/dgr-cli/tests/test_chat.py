@@ -94,8 +94,10 @@ def test_chat_in_a_terminal(workers: list[WorkerProcess]) -> None:
 
         term.keys("/rest", "Enter")  # a mistyped command is said to be one, not sent
         term.wait(lambda s: "(no command /rest: /reset starts over, /exit leaves)" in s)
+        term.keys("cat " * 1100, "Enter")  # past the context alone: said, not sent, not kept
+        term.wait(lambda s: "over the route's context of 1024: not sent" in s)
         term.keys("Thank you!", "Enter")  # the conversation goes on
-        term.wait(lambda s: prompts(s) >= 5 and s.rstrip().endswith(">"))
+        term.wait(lambda s: prompts(s) >= 6 and s.rstrip().endswith(">"))
         term.keys("C-d")
         deadline = time.monotonic() + 10
         while not term.dead():

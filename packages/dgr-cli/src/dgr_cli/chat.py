@@ -59,7 +59,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     conversation = Conversation(tokenizer, n_ctx, args.system)
     out = sys.stdout
     print(
-        f"dgr chat: {len(route.stages)} stages, context {n_ctx} tokens. "
+        f"dgr chat: {len(route.stages)} stage{'s' if len(route.stages) != 1 else ''}, context "
+        f"{n_ctx} tokens. "
         "Ctrl-C stops a reply, Ctrl-D or /exit leaves, /reset starts over.",
         file=sys.stderr,
     )
@@ -96,7 +97,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             room = n_ctx - len(prompt)
             if room < 1:
                 print(
-                    f"error: the message alone is {len(prompt)} tokens, over the context",
+                    f"error: the message alone is {len(prompt)} tokens (in the chat template), "
+                    f"over the route's context of {n_ctx}: not sent",
                     file=sys.stderr,
                 )
                 conversation.turns.pop()
