@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -86,6 +87,45 @@ def test_dgr_serve_names_the_model_by_the_heads_gguf(route: Route, smollm2: Path
     arch and hash nobody can guess; every stage reports its own."""
     assert served_name(route) == smollm2.stem == "smollm2-135m-q4_1"
     assert [s.describe.model_name for s in route.stages] == [smollm2.stem] * 2
+
+
+def test_dgr_serve_says_where_it_listens_or_why_it_cannot(workers: list[WorkerProcess]) -> None:
+    """It printed nothing when serving, and a port in use was uvicorn's log line and exit 3."""
+    import socket
+
+    dgr = str(Path(sys.executable).with_name("dgr"))
+    route = ",".join(w.address for w in workers)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        busy = subprocess.run(
+            [dgr, "serve", "--route", route, "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert busy.returncode == 2, busy
+    assert f"dgr serve: cannot listen on 127.0.0.1:{port}: [Errno 98]" in busy.stderr, busy.stderr
+    proc = subprocess.Popen(
+        [dgr, "serve", "--route", route, "--port", str(port), "--max-active", "9"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        said = proc.stderr.readline() + proc.stderr.readline()
+        assert said == (
+            f"dgr serve: http://127.0.0.1:{port}/v1 serves smollm2-135m-q4_1 over 2 stages: 9 "
+            "request(s) at once, 16 queued\n"
+            "dgr serve: note: --max-active 9 is more than the route's 4 session slots: requests "
+            "past them are answered 429 by the stages' capacity\n"
+        ), said
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["smollm2-135m-q4_1"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def test_chat_completion_streams_the_same_text(client: openai.OpenAI) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import socket
+import sys
 from typing import Any
 
 from dgr_route.route import Route
@@ -45,6 +47,22 @@ def served_name(route: Route) -> str:
     return f"{c.arch}-{c.model_fingerprint[:12]}" if c.model_fingerprint else c.arch
 
 
+def bound(host: str, port: int) -> socket.socket:
+    """A listening socket at host:port, bound here so that a port in use or a host that is not
+    this machine's is said before serving (uvicorn logged it and exited 3), and so that the
+    address printed is one that is listening."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
     from dgr_serve.openai_server import create_app
@@ -53,12 +71,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if client is None:
         return 1
     route, tokenizer = client
-    app = create_app(
-        route,
-        tokenizer,
-        args.model_name or (model_arg(args.model).stem if args.model else served_name(route)),
-        max_active=args.max_active,
-        max_queue=args.max_queue,
+    try:
+        sock = bound(args.host, args.port)
+    except OSError as exc:
+        print(f"dgr serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        route.close()
+        return 2
+    name = args.model_name or (model_arg(args.model).stem if args.model else served_name(route))
+    slots = min(s.describe.max_sessions for s in route.stages)
+    active = slots if args.max_active is None else args.max_active
+    app = create_app(route, tokenizer, name, max_active=args.max_active, max_queue=args.max_queue)
+    n = len(route.stages)
+    print(
+        f"dgr serve: http://{args.host}:{args.port}/v1 serves {name} over {n} "
+        f"stage{'s' if n != 1 else ''}: {active} request(s) at once, {args.max_queue} queued",
+        file=sys.stderr,
+        flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    if active > slots:
+        print(
+            f"dgr serve: note: --max-active {active} is more than the route's {slots} session "
+            "slots: requests past them are answered 429 by the stages' capacity",
+            file=sys.stderr,
+            flush=True,
+        )
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server.run(sockets=[sock])
     return 0
