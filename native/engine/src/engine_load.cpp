@@ -67,6 +67,10 @@ std::string take_or(const std::string & fallback) {
 
 // cheap checks before llama.cpp parses the file: existence, magic, version
 void check_gguf_file(const std::string & path) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) {
+        throw ShardError(Status::load_failed, path + " is a directory, not a GGUF file");
+    }
     std::ifstream in(path, std::ios::binary);
     if (!in) {
         throw ShardError(Status::load_failed, "cannot open model file " + path);

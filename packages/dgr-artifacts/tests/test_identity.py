@@ -79,6 +79,13 @@ def test_truncated_file_is_a_typed_error(model_copy: Path, keep: int) -> None:
     with pytest.raises(TruncatedGguf) as info:
         read_gguf(model_copy)
     assert str(model_copy) in str(info.value)
+    # what is wrong with the file, not numpy's words for a short slice of it
+    assert "dtype" not in str(info.value) and "axis" not in str(info.value), info.value
+
+
+def test_a_directory_is_not_a_gguf(tmp_path: Path) -> None:
+    with pytest.raises(IncompleteSplit, match="is a directory, not a GGUF file"):
+        read_gguf(tmp_path)
 
 
 def test_wrong_magic_and_version(model_copy: Path) -> None:

@@ -87,6 +87,7 @@ def test_bad_model_files(engine_module: ModuleType, smollm2: Path, tmp_path: Pat
         (truncated, "truncated.gguf"),
         (not_gguf, "bad magic"),
         (tmp_path / "missing.gguf", "cannot open"),
+        (tmp_path, "is a directory, not a GGUF file"),  # it was "truncated"
     ]:
         with pytest.raises(engine_module.ShardError, match=needle) as info:
             engine_module.Engine(str(path), 0, 10)

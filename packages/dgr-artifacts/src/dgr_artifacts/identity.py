@@ -120,6 +120,8 @@ def _check_header(path: Path, size: int) -> int:
 def read_gguf(path: Path) -> GgufFile:
     """Parse one GGUF file; every failure is a typed ArtifactError naming the file."""
     path = Path(path)
+    if path.is_dir():
+        raise IncompleteSplit(path, "is a directory, not a GGUF file")
     if not path.is_file():
         raise IncompleteSplit(path, "file does not exist")
     size = path.stat().st_size
@@ -128,9 +130,12 @@ def read_gguf(path: Path) -> GgufFile:
         reader = GGUFReader(path, "r")
     except (ValueError, IndexError, struct.error, OverflowError) as exc:
         # GGUFReader slices a memmap: a header that runs past the end of the file surfaces as a
-        # short slice (ValueError/IndexError), whether the file was cut or a length is garbage.
+        # short slice (ValueError/IndexError), whether the file was cut or a length is garbage;
+        # numpy's words for that slice say nothing about the file (they stay in __cause__)
         raise TruncatedGguf(
-            path, f"header or tensor table runs past the end of the file ({size} bytes): {exc}"
+            path,
+            f"header or tensor table runs past the end of the file ({size} bytes): cut short, "
+            "or a length in it is not a GGUF's",
         ) from exc
     except (KeyError, TypeError, UnicodeDecodeError) as exc:
         raise CorruptGguf(path, f"cannot parse the GGUF header: {exc!r}") from exc
