@@ -94,9 +94,16 @@ def test_forward_mode_stops_at_stop_ids_and_max_tokens(
         list(route.generate([], 5))
     with pytest.raises(ValueError, match="max_tokens must be >= 0, not -1"):
         list(route.generate(prompt, -1))
-    for bad, what in [(1.5, "1.5"), ("a", "'a'"), (True, "True")]:
-        with pytest.raises(ValueError, match=f"token 1 of the prompt is {what}: token ids are"):
+    for bad, what in [(1.5, "1.5"), ("a", "'a'"), (True, "True"), (-5, "-5"), (2**40, "1099")]:
+        with pytest.raises(ValueError, match=f"token 1 of the prompt is {what}"):
             list(route.generate([prompt[0], bad], 5))  # type: ignore[list-item]
+    # 2**40 was protobuf's "Value out of range", a text its characters, 2.5 tokens a TypeError
+    with pytest.raises(ValueError, match="the prompt is str: a list of token ids"):
+        list(route.generate("hello", 5))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"max_tokens must be an integer, not 2\.5"):
+        list(route.generate(prompt, 2.5))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="token 0 of stop is 'x': token ids are integers"):
+        list(route.generate(prompt, 5, stop={"x"}))  # type: ignore[arg-type]
     assert time.monotonic() - started < 1.0
     assert list(route.generate(prompt, 5)) == expected[:5]
     route.close()
@@ -105,6 +112,21 @@ def test_forward_mode_stops_at_stop_ids_and_max_tokens(
     with route_of(workers, LAYOUTS[3]) as route:
         assert list(route.generate(np.asarray(prompt, dtype=np.int64), 5)) == expected[:5]
     assert route not in OPEN_ROUTES
+    with pytest.raises(ValueError, match="the route is closed: open another"):  # not gRPC's
+        list(route.generate(prompt, 5))  # "Cannot invoke RPC: Channel closed!"
+
+
+def test_route_open_names_a_bad_timeout_or_a_route_given_as_one_string(
+    workers: dict[tuple[int, int], WorkerProcess],
+) -> None:
+    """-1, NaN and infinity went to gRPC as deadlines already past: every Describe failed
+    DEADLINE_EXCEEDED; "a:1,b:2" as the addresses was taken character by character."""
+    addresses = [workers[r].address for r in LAYOUTS[2]]
+    for timeout in (-1, 0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+            Route.open(addresses, timeout=timeout)
+    with pytest.raises(ValueError, match="is one string: give a list of HOST:PORT"):
+        Route.open(",".join(addresses))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("mode", ["forward", "relay"])

@@ -24,6 +24,13 @@ from dgr_route.route import Sampling
         ("top_p", 1.5),
         ("seed", -1),
         ("seed", 2**64),
+        # of another type: a float seed or top_k went on to protobuf's TypeError, a string
+        # temperature was Python's "'<=' not supported"
+        ("seed", 1.5),
+        ("top_k", 2.5),
+        ("top_k", True),
+        ("temperature", "hot"),
+        ("top_p", None),
     ],
 )
 def test_an_out_of_range_sampling_option_is_named(field: str, value: float) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import numbers
 import queue
 import secrets
@@ -116,19 +117,22 @@ class Sampling:
     def __post_init__(self) -> None:
         """The wire's ranges (float32, uint32, uint64), checked where the caller made the value:
         a bad one is a ValueError naming it, before any stage is asked (the tail checks again)."""
+
+        def number(v: object) -> bool:
+            return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+        def integer(v: object) -> bool:
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
         checks = (
-            (
-                "temperature",
-                self.temperature,
-                0 <= self.temperature <= FLOAT32_MAX,
-                "a finite number >= 0",
-            ),
-            ("top_k", self.top_k, 0 <= self.top_k < 2**32, "an integer in [0, 2**32)"),
-            ("top_p", self.top_p, 0 <= self.top_p <= 1, "a number in [0, 1]"),
-            ("seed", self.seed, 0 <= self.seed < 2**64, "an integer in [0, 2**64)"),
+            ("temperature", t, number(t) and 0 <= t <= FLOAT32_MAX, "a finite number >= 0"),
+            ("top_k", k, integer(k) and 0 <= k < 2**32, "an integer in [0, 2**32)"),
+            ("top_p", p, number(p) and 0 <= p <= 1, "a number in [0, 1]"),
+            ("seed", s, integer(s) and 0 <= s < 2**64, "an integer in [0, 2**64)"),
         )
         for name, value, ok, what in checks:
-            if not ok:  # NaN fails every comparison
+            if not ok:  # NaN fails every comparison; a float seed or top_k is not an integer
                 raise ValueError(f"sampling {name} must be {what}, not {value!r}")
 
     def message(self) -> pb.Sampling:
@@ -321,6 +325,7 @@ class Route:
     live: weakref.WeakSet[Generator[pb.TokenResult, None, None]] = field(
         init=False, default_factory=weakref.WeakSet
     )
+    closed: bool = field(init=False, default=False)  # close() ran: no generation starts
 
     def __post_init__(self) -> None:
         check_wire_dtype(self.wire_dtype)
@@ -369,33 +374,39 @@ class Route:
         prefix_reuse: bool = True,
     ) -> Route:
         check_addresses(addresses)  # before connecting to anything
+        check_timeout(timeout)
         check_wire_dtype(wire_dtype)
         check_mode(mode)
         draft = draft or Draft()
         check_draft(draft, mode)
-        stages = []
-        for i, address in enumerate(addresses):
-            if (why := security.cleartext_refusal(address)) is not None:
-                raise RouteError(i, address, why, grpc.StatusCode.FAILED_PRECONDITION)
-            channel = security.channel(address)
-            stub = pb_grpc.ShardServiceStub(channel)  # type: ignore[no-untyped-call]  # generated
-            try:
-                describe = stub.Describe(
-                    pb.DescribeRequest(), timeout=timeout, metadata=security.metadata
-                )
-            except grpc.RpcError as exc:
-                raise RouteError(
-                    i, address, f"Describe failed: {exc.code().name}: {exc.details()}", exc.code()
-                ) from exc
-            stages.append(Stage(i, address, channel, stub, describe, security.metadata))
-        check_route(stages)
-        if draft.on:
-            draft = fit_draft(draft, stages)
-        for stage in stages[1:]:
-            if BY_NAME.get(wire_dtype) not in stage.describe.boundary.dtypes:
-                raise RouteError(
-                    stage.index, stage.address, f"does not accept a {wire_dtype} boundary"
-                )
+        stages: list[Stage] = []
+        try:
+            for i, address in enumerate(addresses):
+                if (why := security.cleartext_refusal(address)) is not None:
+                    raise RouteError(i, address, why, grpc.StatusCode.FAILED_PRECONDITION)
+                channel = security.channel(address)
+                stub = pb_grpc.ShardServiceStub(channel)  # type: ignore[no-untyped-call]
+                try:
+                    describe = stub.Describe(
+                        pb.DescribeRequest(), timeout=timeout, metadata=security.metadata
+                    )
+                except grpc.RpcError as exc:
+                    channel.close()
+                    what = f"Describe failed: {exc.code().name}: {exc.details()}"
+                    raise RouteError(i, address, what, exc.code()) from exc
+                stages.append(Stage(i, address, channel, stub, describe, security.metadata))
+            check_route(stages)
+            if draft.on:
+                draft = fit_draft(draft, stages)
+            for stage in stages[1:]:
+                if BY_NAME.get(wire_dtype) not in stage.describe.boundary.dtypes:
+                    raise RouteError(
+                        stage.index, stage.address, f"does not accept a {wire_dtype} boundary"
+                    )
+        except BaseException:
+            for stage in stages:  # the stages that answered: their channels and threads go
+                stage.channel.close()
+            raise
         return cls(
             stages,
             timeout,
@@ -423,6 +434,7 @@ class Route:
                 generation.close()
         for stage in self.stages:
             stage.channel.close()
+        self.closed = True
         OPEN_ROUTES.discard(self)
 
     def generate(
@@ -477,11 +489,17 @@ class Route:
         so is a history longer than the route's context. A generation ends where the context does,
         as at max_tokens: the history and every token fed back fill it (the last token sampled is
         not fed back), instead of failing there with the stages' capacity error."""
+        if self.closed:  # as a closed file: the channels are gone ("Channel closed!")
+            raise ValueError("the route is closed: open another")
         history = token_ids(history)  # a list, or an array of token ids
         if len(history) == 0:
             raise ValueError("the prompt is empty: a generation starts from at least one token")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral):
+            raise ValueError(f"max_tokens must be an integer, not {max_tokens!r}")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, not {max_tokens}")
+        if stop is not None:
+            stop = set(token_ids(stop, "stop"))
         n_ctx = self.n_ctx
         if len(history) > n_ctx:
             raise ValueError(
@@ -778,14 +796,20 @@ def fit_draft(draft: Draft, stages: list[Stage]) -> Draft:
     return replace(draft, max_draft=min(draft.max_draft, limit))
 
 
-def token_ids(values: Iterable[Any]) -> list[int]:
+def token_ids(values: Iterable[Any], what: str = "the prompt") -> list[int]:
     """`values` as a list of ints (numpy integers included), or ValueError naming the first that
-    is not an integer: a float or a string would otherwise fail deep in the wire codec."""
+    is not an integer in the wire's [0, 2**31): a float or a string would otherwise fail deep in
+    the wire codec, and 2**40 as protobuf's "Value out of range"."""
+    if isinstance(values, (str, bytes)):
+        raise ValueError(f"{what} is {type(values).__name__}: a list of token ids (integers)")
     ids: list[int] = []
     for i, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"token {i} of the prompt is {value!r}: token ids are integers")
-        ids.append(int(value))
+            raise ValueError(f"token {i} of {what} is {value!r}: token ids are integers")
+        token = int(value)
+        if not 0 <= token < 2**31:
+            raise ValueError(f"token {i} of {what} is {token}: token ids are in [0, 2**31)")
+        ids.append(token)
     return ids
 
 
@@ -793,6 +817,11 @@ def check_addresses(addresses: list[str]) -> None:
     """A route is one or more stages, each HOST:PORT (a [v6] host in brackets) with a port in
     1..65535, or unix:PATH. gRPC takes a port past 65535 modulo 2**16 and a bare name as
     port 443: either would dial somewhere the caller did not name."""
+    if isinstance(addresses, str):  # its characters would be taken for the stages
+        raise ValueError(
+            f"the route {addresses!r} is one string: give a list of HOST:PORT, one per stage "
+            "(a comma-separated route split at its commas)"
+        )
     if not addresses:
         raise ValueError("a route needs at least one stage address (HOST:PORT)")
     for i, address in enumerate(addresses):
@@ -803,6 +832,14 @@ def check_addresses(addresses: list[str]) -> None:
             raise ValueError(
                 f"stage {i}: address {address!r} is not HOST:PORT with a port in 1..65535"
             )
+
+
+def check_timeout(timeout: float) -> None:
+    """A stage's deadline per step: a finite number of seconds > 0 (gRPC took -1, NaN and
+    infinity as a deadline already past, and every Describe failed DEADLINE_EXCEEDED)."""
+    ok = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+    if not (ok and 0 < timeout < math.inf):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, not {timeout!r}")
 
 
 def check_mode(mode: str) -> None:
