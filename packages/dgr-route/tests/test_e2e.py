@@ -4,6 +4,7 @@ single-process llama.cpp, route checks, bad messages, dead peers, health and dra
 from __future__ import annotations
 
 import queue
+import re
 import signal
 import subprocess
 import time
@@ -19,7 +20,7 @@ from dgr.v1 import shard_pb2_grpc as pb_grpc
 from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_prd.native_pin import llama_pin, patch_stack_hash
 from dgr_prd.paths import find_root
-from dgr_route.route import OPEN_ROUTES, Route, RouteError
+from dgr_route.route import OPEN_ROUTES, Draft, Route, RouteError
 from dgr_wire.codec import FNV_OFFSET, encode
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -127,6 +128,16 @@ def test_route_open_names_a_bad_timeout_or_a_route_given_as_one_string(
             Route.open(addresses, timeout=timeout)
     with pytest.raises(ValueError, match="is one string: give a list of HOST:PORT"):
         Route.open(",".join(addresses))  # type: ignore[arg-type]
+    # these went on to the first generation, as protobuf's "Value out of range" or a worker's
+    # INVALID_ARGUMENT
+    with pytest.raises(ValueError, match=r"token_interval_ms must be an integer in \[0, 10000\]"):
+        Route.open(addresses, token_interval_ms=-1)
+    with pytest.raises(
+        ValueError, match=re.escape("peer 1: address '127.0.0.1:99999' is not HOST:PORT")
+    ):
+        Route.open(addresses, peers=[addresses[0], "127.0.0.1:99999"])
+    with pytest.raises(ValueError, match=r"draft max_draft must be an integer, not 2\.5"):
+        Draft("lookup", max_draft=2.5)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("mode", ["forward", "relay"])

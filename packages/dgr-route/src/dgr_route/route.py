@@ -151,6 +151,7 @@ DRAFT_SOURCES = {
     "mtp": pb.DRAFT_SOURCE_MTP,
 }
 MAX_DRAFT = 16  # the workers' bound (native/worker/validate.h kMaxDraft)
+MAX_TOKEN_INTERVAL_MS = 10000  # the workers' bound (native/worker/validate.cpp kMaxTokenIntervalMs)
 
 
 @dataclass
@@ -169,6 +170,10 @@ class Draft:
     def __post_init__(self) -> None:
         if self.source not in DRAFT_SOURCES:
             raise ValueError(f"draft {self.source!r} is not one of {', '.join(DRAFT_SOURCES)}")
+        for name in ("max_draft", "ngram_min", "ngram_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"draft {name} must be an integer, not {value!r}")
         if not 1 <= self.max_draft <= MAX_DRAFT:
             raise ValueError(f"max_draft {self.max_draft} outside [1, {MAX_DRAFT}]")
         if not 1 <= self.ngram_min <= self.ngram_max <= 8:
@@ -330,10 +335,21 @@ class Route:
     def __post_init__(self) -> None:
         check_wire_dtype(self.wire_dtype)
         check_mode(self.mode)
+        interval = self.token_interval_ms
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, numbers.Integral)
+            or not 0 <= interval <= MAX_TOKEN_INTERVAL_MS
+        ):
+            raise ValueError(
+                f"token_interval_ms must be an integer in [0, {MAX_TOKEN_INTERVAL_MS}], "
+                f"not {interval!r}"
+            )
         if not self.peers:
             self.peers = [s.address for s in self.stages]
         if len(self.peers) != len(self.stages):
             raise ValueError(f"{len(self.peers)} peer addresses for {len(self.stages)} stages")
+        check_addresses(self.peers, "peer")
         check_draft(self.draft, self.mode)
         self.n_layer = self.stages[0].describe.compatibility.n_layer
         self.wire = SeamTraffic()
@@ -403,20 +419,20 @@ class Route:
                     raise RouteError(
                         stage.index, stage.address, f"does not accept a {wire_dtype} boundary"
                     )
+            return cls(
+                stages,
+                timeout,
+                wire_dtype,
+                mode,
+                list(peers or []),
+                token_interval_ms,
+                draft,
+                prefix_reuse,
+            )
         except BaseException:
             for stage in stages:  # the stages that answered: their channels and threads go
                 stage.channel.close()
             raise
-        return cls(
-            stages,
-            timeout,
-            wire_dtype,
-            mode,
-            list(peers or []),
-            token_interval_ms,
-            draft,
-            prefix_reuse,
-        )
 
     def __enter__(self) -> Route:
         return self
@@ -813,7 +829,7 @@ def token_ids(values: Iterable[Any], what: str = "the prompt") -> list[int]:
     return ids
 
 
-def check_addresses(addresses: list[str]) -> None:
+def check_addresses(addresses: list[str], what: str = "stage") -> None:
     """A route is one or more stages, each HOST:PORT (a [v6] host in brackets) with a port in
     1..65535, or unix:PATH. gRPC takes a port past 65535 modulo 2**16 and a bare name as
     port 443: either would dial somewhere the caller did not name."""
@@ -830,7 +846,7 @@ def check_addresses(addresses: list[str]) -> None:
         host, _, port = address.rpartition(":")
         if not host.strip("[]") or not (port.isdigit() and 1 <= int(port) <= 65535):
             raise ValueError(
-                f"stage {i}: address {address!r} is not HOST:PORT with a port in 1..65535"
+                f"{what} {i}: address {address!r} is not HOST:PORT with a port in 1..65535"
             )
 
 
