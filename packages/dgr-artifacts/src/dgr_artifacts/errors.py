@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+Model = TypeVar("Model", bound=BaseModel)
 
 
 class ArtifactError(Exception):
@@ -80,3 +83,21 @@ def problems(exc: ValidationError, limit: int = 6) -> str:
     if exc.error_count() == 1:
         return lines[0]
     return f"{exc.error_count()} problems:\n  " + "\n  ".join(lines)
+
+
+def read_model(
+    path: Path, model: type[Model], error: type[ArtifactError], kind: str, what: str
+) -> Model:
+    """The JSON `model` (a manifest, a recipe) at `path`, or `error` naming the file and what is
+    wrong with it: missing, unreadable or not UTF-8, or each field's problem by its path. `kind`
+    names the file ("no such recipe file"), `what` the document ("not a recipe: ...")."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(path, f"no such {kind} file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(path, f"cannot read it as a JSON {kind}: {exc}") from None
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as exc:
+        raise error(path, f"not {what}: {problems(exc)}") from None

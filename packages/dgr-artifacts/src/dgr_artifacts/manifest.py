@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from dgr_artifacts.errors import ManifestError, problems
+from dgr_artifacts.errors import ManifestError, read_model
 from dgr_artifacts.identity import GgufModel, fingerprint, open_model, stored
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
@@ -118,16 +118,7 @@ def stored_manifest(path: Path, store: Path | None = None) -> ArtifactManifest:
 
 def load_manifest(path: Path) -> ArtifactManifest:
     """The manifest at `path`, or ManifestError naming the file and what is wrong with it."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ManifestError(path, "no such manifest file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestError(path, f"cannot read it as a JSON manifest: {exc}") from None
-    try:
-        return ArtifactManifest.model_validate_json(text)
-    except ValidationError as exc:
-        raise ManifestError(path, f"not a DGR artifact manifest: {problems(exc)}") from None
+    return read_model(path, ArtifactManifest, ManifestError, "manifest", "a DGR artifact manifest")
 
 
 def write_manifest(manifest: ArtifactManifest, path: Path) -> None:

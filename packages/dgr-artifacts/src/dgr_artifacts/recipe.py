@@ -22,11 +22,10 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
-    ValidationError,
     model_validator,
 )
 
-from dgr_artifacts.errors import RecipeFileError, problems
+from dgr_artifacts.errors import RecipeFileError, read_model
 from dgr_artifacts.manifest import ArtifactManifest
 
 RECIPE_VERSION: Literal["1.0"] = "1.0"
@@ -165,16 +164,7 @@ class Recipe(_Strict):
 def load_recipe(path: Path) -> Recipe:
     """The recipe at `path` (as `dgr plan --recipe-out` writes it), or RecipeFileError naming the
     file and what is wrong with it: each field's problem by its path."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise RecipeFileError(path, "no such recipe file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeFileError(path, f"cannot read it as a JSON recipe: {exc}") from None
-    try:
-        return Recipe.model_validate_json(text)
-    except ValidationError as exc:
-        raise RecipeFileError(path, f"not a recipe: {problems(exc)}") from None
+    return read_model(path, Recipe, RecipeFileError, "recipe", "a recipe")
 
 
 def write_recipe(recipe: Recipe, path: Path) -> None:
