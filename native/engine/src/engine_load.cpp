@@ -143,6 +143,16 @@ LlamaShardEngine::LlamaShardEngine(const EngineOptions & options) : options_(opt
         throw ShardError(Status::invalid_argument,
                          "n_threads, n_ctx, n_batch and max_sessions must be positive");
     }
+    // one llama context holds every session's KV: n_ctx x max_sessions cells, a 32-bit count.
+    // The product wrapped before (2**24 x 256 = 2**32 became 0, which llama.cpp takes as "the
+    // model's training context"), and the engine reported contexts it did not have.
+    const int64_t cells = (int64_t) options.n_ctx * options.max_sessions;
+    if (cells > INT32_MAX) {
+        throw ShardError(Status::invalid_argument,
+                         "n_ctx " + std::to_string(options.n_ctx) + " x max_sessions " +
+                             std::to_string(options.max_sessions) + " = " + std::to_string(cells) +
+                             " KV cells: more than one llama.cpp context holds (2**31 - 1)");
+    }
     check_gguf_file(options.model_path);
 
     // read the metadata alone first: validate the range and the arch before any weights load
@@ -201,7 +211,7 @@ LlamaShardEngine::LlamaShardEngine(const EngineOptions & options) : options_(opt
     }
 
     llama_context_params cparams = llama_context_default_params();
-    cparams.n_ctx = (uint32_t) (options.n_ctx * options.max_sessions);
+    cparams.n_ctx = (uint32_t) cells;
     cparams.n_batch = (uint32_t) options.n_batch;
     cparams.n_ubatch = (uint32_t) options.n_batch;
     cparams.n_seq_max = (uint32_t) options.max_sessions;
@@ -221,6 +231,15 @@ LlamaShardEngine::LlamaShardEngine(const EngineOptions & options) : options_(opt
         llama_model_free(model_);
         model_ = nullptr;
         throw ShardError(Status::capacity, take_or("cannot create a context of the requested size"));
+    }
+    if ((int64_t) llama_n_ctx(ctx_) < cells) {  // what every session's n_ctx promises
+        const uint32_t got = llama_n_ctx(ctx_);
+        llama_free(ctx_);
+        ctx_ = nullptr;
+        llama_model_free(model_);
+        model_ = nullptr;
+        throw ShardError(Status::capacity, "asked for " + std::to_string(cells) + " KV cells, llama.cpp made " +
+                                               std::to_string(got));
     }
 
     // the whole KV cache resident now, not page by page as sessions first reach a cell: the

@@ -94,6 +94,16 @@ def test_bad_model_files(engine_module: ModuleType, smollm2: Path, tmp_path: Pat
         assert shard_error(info) == "load_failed"
 
 
+def test_a_context_past_32_bits_is_refused(engine_module: ModuleType, smollm2: Path) -> None:
+    """Every session's KV is one llama context of n_ctx x max_sessions cells: 2**24 x 256 wrapped
+    to 0, which llama.cpp takes as the model's training context, and the engine started at once
+    reporting 16M tokens a session it did not have."""
+    with pytest.raises(engine_module.ShardError, match="n_ctx 16777216 x max_sessions 256") as info:
+        engine_module.Engine(str(smollm2), 0, 10, n_ctx=2**24, max_sessions=256)
+    assert shard_error(info) == "invalid_argument"
+    assert "more than one llama.cpp context holds" in str(info.value)
+
+
 def test_unsupported_arch_for_a_range(engine_module: ModuleType, tmp_path: Path) -> None:
     import gguf
 
