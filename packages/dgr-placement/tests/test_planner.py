@@ -196,6 +196,35 @@ def test_bad_nodes_are_refused_by_name() -> None:
         assert Node.model_validate({**node, "listen": f"10.0.0.1:{port}"}).listen.endswith(port)
 
 
+def test_plan_options_out_of_the_workers_ranges_are_named(
+    smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--n-ctx 0, --max-sessions 0 and --margin -1 or nan were tracebacks (pydantic's, the
+    planner's ValueError), 2**24 x 256 the engine's ShardError after the model was hashed."""
+    from dgr_cli import main
+
+    path = tmp_path / "nodes.yaml"
+    path.write_text(
+        "nodes: [{name: a, listen: 'h:1', memory_mib: 500, threads: 1}]\n"
+        "links: {latency_ms: [[0]]}\n",
+        encoding="utf-8",
+    )
+    base = ["plan", "--nodes", str(path), "--model", str(smollm2)]
+    for option, value, message in [
+        ("--n-ctx", "0", "argument --n-ctx: '0' is not an integer in [8, 16777216]"),
+        ("--max-sessions", "0", "argument --max-sessions: '0' is not an integer in [1, 4096]"),
+        ("--margin", "-1", "argument --margin: '-1' is not a number in [0, 10)"),
+        ("--margin", "nan", "argument --margin: 'nan' is not a number in [0, 10)"),
+    ]:
+        with pytest.raises(SystemExit) as done:
+            main([*base, option, value])
+        assert done.value.code == 2 and message in capsys.readouterr().err
+    assert main([*base, "--n-ctx", str(2**24), "--max-sessions", "256"]) == 2
+    assert "dgr plan: --n-ctx 16777216 x --max-sessions 256 is more KV cells" in (
+        capsys.readouterr().err
+    )
+
+
 def test_a_nodes_file_with_problems_lists_each_by_its_field(
     smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,15 +16,33 @@ from typing import Any
 MIB = 2**20
 
 
+def margin(text: str) -> float:
+    """An argparse type: the memory safety margin, a number in [0, 10)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 10:  # NaN fails it too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in [0, 10)")
+    return value
+
+
 def register(sub: Any) -> None:
+    from dgr_cli.commands import integer
+
     p = sub.add_parser("plan", help="place a model's layers over nodes (memory, compute, links)")
     p.add_argument("--model", required=True, help="GGUF path or registered name")
     p.add_argument("--nodes", type=Path, help="nodes.yaml: nodes, memory, threads, links")
-    p.add_argument("--probe-threads", type=int, help="measure this machine's compute and exit")
+    p.add_argument(
+        "--probe-threads", type=integer(1, 1024), help="measure this machine's compute and exit"
+    )
     p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"])
-    p.add_argument("--margin", type=float, default=None, help="memory safety margin (0.15)")
-    p.add_argument("--n-ctx", type=int, default=2048, help="per session, as the workers run")
-    p.add_argument("--max-sessions", type=int, default=4)
+    p.add_argument("--margin", type=margin, default=None, help="memory safety margin (0.15)")
+    # the workers' own bounds (dgr-shard-worker --n-ctx, --max-sessions)
+    p.add_argument(
+        "--n-ctx", type=integer(8, 2**24), default=2048, help="per session, as the workers run"
+    )
+    p.add_argument("--max-sessions", type=integer(1, 4096), default=4)
     p.add_argument("--name", help="the recipe's name (default: the model file's stem)")
     p.add_argument("--recipe-out", type=Path, help="write the plan as a recipe (JSON)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -53,6 +72,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     if args.nodes is None:
         print("dgr plan: --nodes is required (or --probe-threads)", file=sys.stderr)
+        return 2
+    if args.n_ctx * args.max_sessions > 2**31 - 1:  # one llama context holds them (the engine)
+        print(
+            f"dgr plan: --n-ctx {args.n_ctx} x --max-sessions {args.max_sessions} is more KV "
+            "cells than one llama.cpp context holds (2**31 - 1)",
+            file=sys.stderr,
+        )
         return 2
     try:
         nodes = load_nodes(args.nodes)
