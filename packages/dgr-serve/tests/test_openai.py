@@ -20,7 +20,7 @@ from dgr_cli.workers import WorkerProcess, descriptor_args, start_worker
 from dgr_route.route import Draft, Route
 from dgr_route.tokenizer import Tokenizer
 from dgr_serve.inprocess import serving
-from dgr_serve.openai_server import create_app
+from dgr_serve.openai_server import body_limit, create_app
 
 N_CTX = 256
 MODEL = "smollm2"
@@ -416,8 +416,49 @@ def test_openai_errors(client: openai.OpenAI, base: str) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
         # not pydantic's error dump with this server's source lines
         assert r.json()["error"]["message"] == f"the request body is a JSON {kind}, not an object"
+    # a body past what the context could hold: 413 by its length, or once a chunked one passes
+    # it (a 200 MB prompt was read whole, then the head's tokenizer's gRPC limit made it a 500)
+    limit = body_limit(N_CTX)
+    big = json.dumps({"model": MODEL, "prompt": "word " * (limit // 5 + 1)}).encode()
+    r = httpx.post(
+        f"{base}/v1/completions", content=big, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["message"] == (
+        f"the request body is {len(big)} bytes: this server takes {limit} at most"
+    )
+    chunks = (big[i : i + 65536] for i in range(0, len(big), 65536))  # no Content-Length
+    r = httpx.post(
+        f"{base}/v1/completions", content=chunks, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413 and "this server takes" in r.json()["error"]["message"], r.text
     r = httpx.get(f"{base}/v1/nothing-here")
     assert r.status_code == 404 and "error" in r.json()
+
+
+def test_a_prompt_past_the_heads_message_limit_is_the_clients_400(smollm2: Path) -> None:
+    """The head's tokenizer takes messages up to its --max-message-bytes: a text past that was
+    its RESOURCE_EXHAUSTED, answered as this server's 500 "internal error"."""
+    from dgr_route.tokenizer import tokenizer_for
+
+    worker = start_worker(
+        smollm2, 0, 30, descriptor=descriptor_args(smollm2), n_ctx=64, threads=1,
+        extra=["--max-message-bytes", "1024"],
+    )  # fmt: skip
+    try:
+        with Route.open([worker.address]) as route:
+            app = create_app(route, tokenizer_for(None, route), MODEL)
+            with serving(app) as url:
+                body = {"model": MODEL, "prompt": "word " * 400, "max_tokens": 1}
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert error["param"] == "prompt", error
+                assert error["message"].startswith("prompt: 2000 characters, too long to tokenize")
+                ok = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}  # and it goes on serving
+                assert httpx.post(f"{url}/v1/completions", json=ok, timeout=60).status_code == 200
+    finally:
+        worker.stop()
 
 
 class BrokenTokenizer:

@@ -43,7 +43,7 @@ import numpy as np
 from dgr.v1 import shard_pb2 as pb
 from dgr_route.route import DraftUsage, Route, RouteError, Sampling
 from dgr_route.text import Detokenizer, StopMatcher, stop_list
-from dgr_route.tokenizer import TokenizerLike
+from dgr_route.tokenizer import TokenizerError, TokenizerLike
 from dgr_wire.codec import decode_logits
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -92,6 +92,47 @@ class OpenAIError(Exception):
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def body_limit(n_ctx: int) -> int:
+    """The most request bytes taken: a prompt holds at most n_ctx tokens, and a token's text
+    (JSON-escaped) stays well within 256 bytes; 1 MiB at least. Without it a 200 MB body was
+    read whole and reached the head's tokenizer, whose gRPC limit answered it as a 500."""
+    return max(1 << 20, 256 * n_ctx)
+
+
+class BoundedBody:
+    """ASGI middleware: a body past `limit` bytes is a 413 OpenAI error object, by its
+    Content-Length before a byte is read, else (chunked) once the bytes read pass the limit
+    (an HTTPException, which FastAPI's body parsing passes on to the app's handler).
+    FastAPI's own max_body_size answers the first case in plain text, over the app's handlers."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            refused = OpenAIError(413, self.over(f"{int(length)} bytes"), code="request_too_large")
+            await refused.response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def bounded() -> Any:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise HTTPException(413, self.over(f"more than {self.limit} bytes"))
+            return message
+
+        await self.app(scope, bounded, send)
+
+    def over(self, size: str) -> str:
+        return f"the request body is {size}: this server takes {self.limit} at most"
 
 
 def busy(what: str) -> OpenAIError:
@@ -334,8 +375,9 @@ def create_app(
     max_active: int | None = None,
     max_queue: int = 16,
 ) -> FastAPI:
-    app = FastAPI(title="DGR", description="OpenAI-compatible API over a DGR route")
     n_ctx = route.n_ctx
+    app = FastAPI(title="DGR", description="OpenAI-compatible API over a DGR route")
+    app.add_middleware(BoundedBody, limit=body_limit(n_ctx))
     slots = min(s.describe.max_sessions for s in route.stages)
     admission = Admission(slots if max_active is None else max_active, max_queue)
     metrics = ServeMetrics(lambda: admission.running, lambda: admission.waiting)
@@ -374,6 +416,18 @@ def create_app(
         code = "not_found" if exc.status_code == 404 else None
         what = f"{request.method} {request.url.path}: {exc.detail}"
         return OpenAIError(exc.status_code, what, code=code).response()
+
+    def encode(text: str, param: str) -> list[int]:
+        """The text's tokens; a text the head's tokenizer takes no message of (past its gRPC
+        limit) is the client's 400, not this server's 500."""
+        try:
+            return tokenizer.encode(text)
+        except TokenizerError as exc:
+            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            raise OpenAIError(
+                400, f"{param}: {len(text)} characters, too long to tokenize ({exc})", param=param
+            ) from exc
 
     def check_model(name: str | None) -> None:
         if name not in (None, "", model_name):
@@ -590,9 +644,9 @@ def create_app(
 
         def prepare() -> Generation:  # a remote tokenizer is a gRPC call: off the loop
             if isinstance(req.prompt, str):
-                prompt = tokenizer.encode(req.prompt)
+                prompt = encode(req.prompt, "prompt")
             elif req.prompt and isinstance(req.prompt[0], str):
-                prompt = tokenizer.encode(str(req.prompt[0]))
+                prompt = encode(str(req.prompt[0]), "prompt")
             else:
                 prompt = [int(t) for t in req.prompt]
             return plan(req, prompt, req.max_tokens, top, req.logprobs is not None, "prompt")
@@ -665,7 +719,7 @@ def create_app(
                 raise OpenAIError(400, f"chat template: {exc}", param="messages") from exc
             return plan(
                 req,
-                tokenizer.encode(prompt_text),
+                encode(prompt_text, "messages"),
                 req.max_completion_tokens or req.max_tokens,
                 top,
                 req.logprobs,
