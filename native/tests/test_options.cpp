@@ -88,6 +88,17 @@ TEST_CASE("options: a bad value or an unknown option is refused, naming it") {
     CHECK(refusal({"--model", "m", "--threads"}).find("--threads") != std::string::npos);
 }
 
+TEST_CASE("options: a model fingerprint is 64 lowercase hex digits, as dgr worker gives it") {
+    WorkerOptions o;
+    REQUIRE(parse({"--model", "m", "--model-fingerprint", std::string(64, 'a')}, o) == -1);
+    CHECK(o.service.fingerprint == std::string(64, 'a'));
+    for (const std::string bad : {std::string("zz zz"), std::string(63, 'a'), std::string(64, 'A'),
+                                  std::string(62, 'a') + "\xff\xfe"}) {
+        CHECK(refusal({"--model", "m", "--model-fingerprint", bad}).find("is not 64 lowercase hex digits") !=
+              std::string::npos);
+    }
+}
+
 TEST_CASE("options: the model's name is its file name less .gguf, printable ASCII, at most 128") {
     WorkerOptions o;
     REQUIRE(parse({"--model", "/models/smollm2-135m-q4_1.gguf"}, o) == -1);

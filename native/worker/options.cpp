@@ -77,6 +77,17 @@ std::string recipe_id(const std::string & value) {
     return value;
 }
 
+// the model's fingerprint as dgr_artifacts makes it (recipe.Hex64): 64 lowercase hex digits.
+// Describe carries it as a proto3 string, which must be UTF-8: a byte like 0xff in it made every
+// client's Describe fail to parse, and any other text matched no manifest.
+std::string fingerprint(const std::string & value) {
+    const bool ok = value.size() == 64 && std::all_of(value.begin(), value.end(), [](unsigned char c) {
+                        return std::isdigit(c) || (c >= 'a' && c <= 'f');
+                    });
+    if (!ok) throw CLI::ValidationError("--model-fingerprint", value.substr(0, 80) + " is not 64 lowercase hex digits");
+    return value;
+}
+
 // the model's name as a client sees it: the GGUF's file name less .gguf, at most 128 characters,
 // a byte outside printable ASCII as '_' (a proto3 string must be UTF-8; a file name need not be)
 std::string model_name(const std::string & path) {
@@ -221,7 +232,9 @@ void declare_service(CLI::App & app, WorkerOptions & o) {
         ->type_name("0|2-64")
         ->default_str(std::to_string(o.service.draft_part_rows));
     integer(app, "--keepalive-ms", o.keepalive_ms, 200, 3600 * 1000, "every link's keepalive, both sides");
-    app.add_option("--model-fingerprint", o.service.fingerprint, "the GGUF's fingerprint (given by dgr worker)")
+    app.add_option_function<std::string>(
+           "--model-fingerprint", [&o](const std::string & v) { o.service.fingerprint = fingerprint(v); },
+           "the GGUF's fingerprint (given by dgr worker)")
         ->type_name("HEX");
     app.add_option_function<std::string>(
            "--recipe-id", [&o](const std::string & v) { o.service.recipe = recipe_id(v); }, "the recipe served")
