@@ -19,7 +19,14 @@ from typing import Any
 from dgr_route.route import RouteError
 from dgr_route.tokenizer import TokenizerLike
 
-from dgr_cli.commands import MAX_TOKENS, add_route_options, open_client, sampling_of, stream_text
+from dgr_cli.commands import (
+    MAX_TOKENS,
+    add_route_options,
+    counted,
+    open_client,
+    sampling_of,
+    stream_text,
+)
 
 PROMPT = "> "
 
@@ -59,8 +66,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     conversation = Conversation(tokenizer, n_ctx, args.system)
     out = sys.stdout
     print(
-        f"dgr chat: {len(route.stages)} stage{'s' if len(route.stages) != 1 else ''}, context "
-        f"{n_ctx} tokens. "
+        f"dgr chat: {counted(len(route.stages), 'stage')}, context {n_ctx} tokens. "
         "Ctrl-C stops a reply, Ctrl-D or /exit leaves, /reset starts over.",
         file=sys.stderr,
     )

@@ -166,7 +166,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(flush=True)  # the text ends its line on standard output; figures go to standard error
     print(
         f"--- {count} tokens in {elapsed:.2f} s ({count / elapsed:.1f} tok/s) through "
-        f"{len(route.stages)} stage{'s' if len(route.stages) != 1 else ''}"
+        f"{counted(len(route.stages), 'stage')}"
         + (f"; stopped at the route's context of {route.n_ctx} tokens" if full else ""),
         file=sys.stderr,
     )
@@ -235,6 +235,11 @@ def open_route(args: argparse.Namespace) -> Route | None:
     except (RouteError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
+
+
+def counted(n: int, one: str, many: str | None = None) -> str:
+    """`n` and the noun for it: "1 stage", "3 stages", "1 worker process"."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def integer(lo: int, hi: int) -> Callable[[str], int]:

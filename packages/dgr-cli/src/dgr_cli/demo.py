@@ -13,7 +13,7 @@ from dgr_route.route import Route
 from dgr_route.text import Detokenizer
 from dgr_route.tokenizer import Tokenizer
 
-from dgr_cli.commands import MAX_TOKENS, integer
+from dgr_cli.commands import MAX_TOKENS, counted, integer
 from dgr_cli.workers import descriptor_args, start_worker
 
 N_CTX = 1024  # each demo worker's context
@@ -89,7 +89,7 @@ def run_demo(args: argparse.Namespace) -> int:
     decode = f"decode {decode_rate:.1f} tok/s" if timed else "decode not timed (one token)"
     print(
         f"\n---\nroute: first token after {first_at - t1:.2f} s ({len(prompt)}-token prefill), "
-        f"{decode} over {len(workers)} worker process{'es' if len(workers) != 1 else ''} "
+        f"{decode} over {counted(len(workers), 'worker process', 'worker processes')} "
         f"({args.mode} mode)"
     )
     # the same greedy generation in one process, over the whole model

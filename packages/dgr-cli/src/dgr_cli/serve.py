@@ -10,7 +10,7 @@ from typing import Any
 
 from dgr_route.route import Route
 
-from dgr_cli.commands import add_route_options, integer, model_arg, open_client
+from dgr_cli.commands import add_route_options, counted, integer, model_arg, open_client
 
 
 def register(sub: Any) -> None:
@@ -78,20 +78,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         route.close()
         return 2
     name = args.model_name or (model_arg(args.model).stem if args.model else served_name(route))
-    slots = min(s.describe.max_sessions for s in route.stages)
-    active = slots if args.max_active is None else args.max_active
     app = create_app(route, tokenizer, name, max_active=args.max_active, max_queue=args.max_queue)
-    n = len(route.stages)
+    active = app.state.admission.limit
     print(
-        f"dgr serve: http://{args.host}:{args.port}/v1 serves {name} over {n} "
-        f"stage{'s' if n != 1 else ''}: {active} request(s) at once, {args.max_queue} queued",
+        f"dgr serve: http://{args.host}:{args.port}/v1 serves {name} over "
+        f"{counted(len(route.stages), 'stage')}: {active} request(s) at once, "
+        f"{args.max_queue} queued",
         file=sys.stderr,
         flush=True,
     )
-    if active > slots:
+    if active > route.slots:
         print(
-            f"dgr serve: note: --max-active {active} is more than the route's {slots} session "
-            "slots: requests past them are answered 429 by the stages' capacity",
+            f"dgr serve: note: --max-active {active} is more than the route's {route.slots} "
+            "session slots: requests past them are answered 429 by the stages' capacity",
             file=sys.stderr,
             flush=True,
         )

@@ -106,6 +106,16 @@ class Stage:
 FLOAT32_MAX = 3.4028234663852886e38
 
 
+def is_integer(value: object) -> bool:
+    """An int or a numpy integer, not a bool: what the wire's integer fields take."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """An int or a float (numpy's included), not a bool: what the wire's float fields take."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 @dataclass
 class Sampling:
     temperature: float = 0.0
@@ -117,19 +127,12 @@ class Sampling:
     def __post_init__(self) -> None:
         """The wire's ranges (float32, uint32, uint64), checked where the caller made the value:
         a bad one is a ValueError naming it, before any stage is asked (the tail checks again)."""
-
-        def number(v: object) -> bool:
-            return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-        def integer(v: object) -> bool:
-            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
         checks = (
-            ("temperature", t, number(t) and 0 <= t <= FLOAT32_MAX, "a finite number >= 0"),
-            ("top_k", k, integer(k) and 0 <= k < 2**32, "an integer in [0, 2**32)"),
-            ("top_p", p, number(p) and 0 <= p <= 1, "a number in [0, 1]"),
-            ("seed", s, integer(s) and 0 <= s < 2**64, "an integer in [0, 2**64)"),
+            ("temperature", t, is_number(t) and 0 <= t <= FLOAT32_MAX, "a finite number >= 0"),
+            ("top_k", k, is_integer(k) and 0 <= k < 2**32, "an integer in [0, 2**32)"),
+            ("top_p", p, is_number(p) and 0 <= p <= 1, "a number in [0, 1]"),
+            ("seed", s, is_integer(s) and 0 <= s < 2**64, "an integer in [0, 2**64)"),
         )
         for name, value, ok, what in checks:
             if not ok:  # NaN fails every comparison; a float seed or top_k is not an integer
@@ -172,7 +175,7 @@ class Draft:
             raise ValueError(f"draft {self.source!r} is not one of {', '.join(DRAFT_SOURCES)}")
         for name in ("max_draft", "ngram_min", "ngram_max"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            if not is_integer(value):
                 raise ValueError(f"draft {name} must be an integer, not {value!r}")
         if not 1 <= self.max_draft <= MAX_DRAFT:
             raise ValueError(f"max_draft {self.max_draft} outside [1, {MAX_DRAFT}]")
@@ -336,11 +339,7 @@ class Route:
         check_wire_dtype(self.wire_dtype)
         check_mode(self.mode)
         interval = self.token_interval_ms
-        if (
-            isinstance(interval, bool)
-            or not isinstance(interval, numbers.Integral)
-            or not 0 <= interval <= MAX_TOKEN_INTERVAL_MS
-        ):
+        if not (is_integer(interval) and 0 <= interval <= MAX_TOKEN_INTERVAL_MS):
             raise ValueError(
                 f"token_interval_ms must be an integer in [0, {MAX_TOKEN_INTERVAL_MS}], "
                 f"not {interval!r}"
@@ -359,6 +358,11 @@ class Route:
     def n_ctx(self) -> int:
         """Tokens a session may hold on this route: the least of its stages' contexts."""
         return min(s.describe.n_ctx for s in self.stages)
+
+    @property
+    def slots(self) -> int:
+        """Sessions this route holds at once: the least of its stages' session slots."""
+        return min(s.describe.max_sessions for s in self.stages)
 
     @property
     def reuses(self) -> bool:
@@ -510,7 +514,7 @@ class Route:
         history = token_ids(history)  # a list, or an array of token ids
         if len(history) == 0:
             raise ValueError("the prompt is empty: a generation starts from at least one token")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral):
+        if not is_integer(max_tokens):
             raise ValueError(f"max_tokens must be an integer, not {max_tokens!r}")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, not {max_tokens}")
@@ -820,7 +824,7 @@ def token_ids(values: Iterable[Any], what: str = "the prompt") -> list[int]:
         raise ValueError(f"{what} is {type(values).__name__}: a list of token ids (integers)")
     ids: list[int] = []
     for i, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if not is_integer(value):
             raise ValueError(f"token {i} of {what} is {value!r}: token ids are integers")
         token = int(value)
         if not 0 <= token < 2**31:
@@ -853,8 +857,7 @@ def check_addresses(addresses: list[str], what: str = "stage") -> None:
 def check_timeout(timeout: float) -> None:
     """A stage's deadline per step: a finite number of seconds > 0 (gRPC took -1, NaN and
     infinity as a deadline already past, and every Describe failed DEADLINE_EXCEEDED)."""
-    ok = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
-    if not (ok and 0 < timeout < math.inf):
+    if not (is_number(timeout) and 0 < timeout < math.inf):
         raise ValueError(f"timeout must be a finite number of seconds > 0, not {timeout!r}")
 
 

@@ -378,8 +378,8 @@ def create_app(
     n_ctx = route.n_ctx
     app = FastAPI(title="DGR", description="OpenAI-compatible API over a DGR route")
     app.add_middleware(BoundedBody, limit=body_limit(n_ctx))
-    slots = min(s.describe.max_sessions for s in route.stages)
-    admission = Admission(slots if max_active is None else max_active, max_queue)
+    admission = Admission(route.slots if max_active is None else max_active, max_queue)
+    app.state.admission = admission  # what it admits, for whoever serves the app to say
     metrics = ServeMetrics(lambda: admission.running, lambda: admission.waiting)
 
     @app.exception_handler(OpenAIError)
